@@ -1,0 +1,186 @@
+"""Advantage estimators: pure torch functions, registered by name in :data:`ADVANTAGE_ESTIMATORS`.
+
+Shapes: ``B`` sequences, ``T`` response tokens; ``mask`` is ``[B, T]``, 1 on response tokens and 0 on padding;
+``rewards`` is ``[B]`` (one outcome reward per sequence); ``group_ids`` is ``[B]`` integer ids, equal for the
+G samples of one prompt. Every estimator returns per-token advantages ``[B, T]`` (zero on padding); GAE and
+REINFORCE++ also return returns.
+
+Formulas follow the seed documents (shared/seeds), see each docstring. Departures are stated there.
+Imports only torch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
+
+
+def register_estimator(name: str):
+    def deco(fn: Callable) -> Callable:
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+
+    return deco
+
+
+def get_estimator(name: str) -> Callable:
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise KeyError(f"unknown advantage estimator {name!r}; valid: {sorted(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[name]
+
+
+def _group_stats(values: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sequence group mean, unbiased group std (0 for a group of one) and group size, each ``[B]``."""
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inv.max()) + 1 if inv.numel() else 0
+    vals = values.double()
+    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inv, torch.ones_like(vals))
+    total = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inv, vals)
+    mean = total / count
+    sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inv, (vals - mean[inv]) ** 2)
+    std = torch.where(count > 1, sq / (count - 1).clamp(min=1), torch.zeros_like(sq)).sqrt()
+    return mean[inv].to(values.dtype), std[inv].to(values.dtype), count[inv]
+
+
+def _broadcast(per_seq: Tensor, mask: Tensor) -> Tensor:
+    return per_seq[:, None].to(mask.dtype if mask.is_floating_point() else torch.float32) * mask
+
+
+def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / std over the valid tokens (biased std, as in PPO implementations); 0 on padding."""
+    m = mask.to(x.dtype)
+    n = m.sum().clamp(min=1)
+    mean = (x * m).sum() / n
+    var = (((x - mean) * m) ** 2).sum() / n
+    return (x - mean) / (var.sqrt() + eps) * m
+
+
+@register_estimator("grpo")
+def compute_grpo(rewards: Tensor, group_ids: Tensor, mask: Tensor, scale_by_std: bool = True,
+                 eps: float = 1e-6) -> Tensor:
+    """GRPO outcome advantage (DeepSeekMath; seed 000 §GRPO): ``A_i = (r_i - mean_g) / (std_g + eps)`` with the
+    unbiased (n-1) group std, broadcast over the sequence's valid tokens. A group of one gets 0.
+    ``scale_by_std=False`` is Dr. GRPO: ``A_i = r_i - mean_g``."""
+    mean, std, count = _group_stats(rewards, group_ids)
+    adv = rewards - mean
+    if scale_by_std:
+        adv = adv / (std + eps)
+    adv = torch.where(count > 1, adv, torch.zeros_like(adv))
+    return _broadcast(adv, mask)
+
+
+@register_estimator("dr_grpo")
+def compute_dr_grpo(rewards: Tensor, group_ids: Tensor, mask: Tensor) -> Tensor:
+    """Dr. GRPO (Liu et al. 2025): GRPO without the std division."""
+    return compute_grpo(rewards, group_ids, mask, scale_by_std=False)
+
+
+@register_estimator("rloo")
+def compute_rloo(rewards: Tensor, group_ids: Tensor, mask: Tensor) -> Tensor:
+    """RLOO (Ahmadian et al. 2024; seed 003): ``A_i = r_i - (sum_g - r_i) / (n_g - 1)``; 0 for a group of one."""
+    mean, _, count = _group_stats(rewards, group_ids)
+    loo = (mean * count.to(rewards.dtype) - rewards) / (count - 1).clamp(min=1).to(rewards.dtype)
+    adv = torch.where(count > 1, rewards - loo, torch.zeros_like(rewards))
+    return _broadcast(adv, mask)
+
+
+def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """Return-to-go ``G_t = r_t + gamma * G_{t+1}`` over valid tokens, 0 beyond the last one. ``[B, T]``."""
+    out = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    m = mask.to(token_rewards.dtype)
+    for t in range(token_rewards.shape[1] - 1, -1, -1):
+        running = (token_rewards[:, t] + gamma * running) * m[:, t]
+        out[:, t] = running
+    return out
+
+
+@register_estimator("gae")
+def compute_gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float,
+                whiten: bool = False) -> tuple[Tensor, Tensor]:
+    """GAE (Schulman et al. 2016; seed 000 §GAE, seed 002 backward loop):
+    ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lam * A_{t+1}``; V beyond the last valid
+    token is 0. Returns ``(advantages, returns)`` with ``returns = advantages + values`` (before whitening)."""
+    m = mask.to(values.dtype)
+    vals = values * m
+    adv = torch.zeros_like(vals)
+    last = torch.zeros_like(vals[:, 0])
+    T = vals.shape[1]
+    for t in range(T - 1, -1, -1):
+        next_v = vals[:, t + 1] if t + 1 < T else torch.zeros_like(last)
+        delta = token_rewards[:, t] + gamma * next_v - vals[:, t]
+        last = (delta + gamma * lam * last) * m[:, t]
+        adv[:, t] = last
+    returns = (adv + vals) * m
+    if whiten:
+        adv = masked_whiten(adv, mask)
+    return adv, returns
+
+
+@register_estimator("reinforce_pp")
+def compute_reinforce_pp(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> tuple[Tensor, Tensor]:
+    """REINFORCE++ (Hu 2025): discounted return-to-go, whitened over the batch's valid tokens.
+    Returns ``(advantages, returns)``."""
+    returns = discounted_returns(token_rewards, mask, gamma)
+    return masked_whiten(returns, mask), returns
+
+
+@register_estimator("reinforce_pp_baseline")
+def compute_reinforce_pp_baseline(rewards: Tensor, group_ids: Tensor, mask: Tensor) -> Tensor:
+    """REINFORCE++-baseline: subtract the group mean reward, then whiten over the batch's valid tokens."""
+    mean, _, _ = _group_stats(rewards, group_ids)
+    return masked_whiten(_broadcast(rewards - mean, mask), mask)
+
+
+@register_estimator("gdpo")
+def compute_gdpo(reward_components: Tensor, group_ids: Tensor, mask: Tensor, weights: Tensor | None = None,
+                 eps: float = 1e-6) -> Tensor:
+    """GDPO (seed 000 §GDPO): normalize each of the K reward components within its group (as GRPO), take the
+    weighted sum ``sum_k w_k A_k``, then normalize that sum over the batch's sequences:
+    ``(s - mean_B) / (std_B + eps)`` (unbiased std). ``reward_components`` is ``[B, K]``."""
+    B, K = reward_components.shape
+    w = torch.ones(K, dtype=reward_components.dtype) if weights is None else weights.to(reward_components.dtype)
+    ones = torch.ones(B, 1)
+    per_k = torch.stack([compute_grpo(reward_components[:, k], group_ids, ones, eps=eps)[:, 0] for k in range(K)], 1)
+    summed = (per_k * w).sum(1)
+    std = summed.std(unbiased=True) if B > 1 else torch.zeros((), dtype=summed.dtype)
+    normed = (summed - summed.mean()) / (std + eps)
+    return _broadcast(normed, mask)
+
+
+@register_estimator("grpo_process")
+def compute_grpo_process(step_rewards: Tensor, step_ends: Tensor, group_ids: Tensor, mask: Tensor,
+                         eps: float = 1e-6) -> Tensor:
+    """Process-supervised GRPO (DeepSeekMath §4.1.3). ``step_rewards`` ``[B, S]`` and ``step_ends`` ``[B, S]``
+    (token index where each step ends, -1 for an absent step). All step rewards of a group are normalized
+    together, ``r~ = (r - mean_g) / (std_g + eps)`` (unbiased std over the group's steps), and token t's
+    advantage is the sum of the normalized rewards of the steps ending at or after t."""
+    present = step_ends >= 0
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    normed = torch.zeros_like(step_rewards)
+    for g in range(int(inv.max()) + 1):
+        sel = (inv == g)[:, None] & present
+        vals = step_rewards[sel]
+        std = vals.std(unbiased=True) if vals.numel() > 1 else torch.zeros((), dtype=vals.dtype)
+        normed[sel] = (vals - vals.mean()) / (std + eps) if vals.numel() > 1 else torch.zeros_like(vals)
+    T = mask.shape[1]
+    t = torch.arange(T)
+    ends_after = (step_ends[:, :, None] >= t[None, None, :]) & present[:, :, None]  # [B, S, T]
+    adv = (normed[:, :, None] * ends_after).sum(1)
+    return adv * mask.to(adv.dtype)
+
+
+def conditioned_rewards(components: Tensor, rules: list[tuple[int, int, float]]) -> Tensor:
+    """Conditioned rewards (seed 000 §GDPO): for each rule ``(k, l, threshold)``, reward k counts only when
+    reward l >= threshold; otherwise it is set to 0. ``components`` ``[B, K]``; returns a new ``[B, K]``.
+    Rules see the unconditioned values (they do not chain)."""
+    out = components.clone()
+    for k, l, threshold in rules:
+        out[:, k] = torch.where(components[:, l] >= threshold, components[:, k], torch.zeros_like(out[:, k]))
+    return out

@@ -1,0 +1,160 @@
+"""Losses: pure torch functions, each returning ``(loss, metrics)``; registered by name in :data:`LOSSES`.
+
+Shapes: ``b`` sequences in a micro-batch, ``T`` response tokens; ``mask`` ``[b, T]`` is 1 on response tokens.
+
+Split invariance: every aggregate divides by *global* counts of the whole minibatch (all micro-batches and
+ranks), carried in :class:`LossScale`. So a micro-batch's loss is its additive share of the minibatch loss,
+and the sum over micro-batches and ranks equals the loss of the unsplit batch. Metrics are additive shares
+the same way (sum them over micro-batches and ranks to get the minibatch value).
+
+Imports only torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+from torch import Tensor
+
+LOSSES: dict[str, Callable] = {}
+KLKind = Literal["k1", "k2", "k3"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+
+
+def register_loss(name: str):
+    def deco(fn: Callable) -> Callable:
+        if name in LOSSES:
+            raise ValueError(f"loss {name!r} is already registered")
+        LOSSES[name] = fn
+        return fn
+
+    return deco
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """Global counts of the minibatch a micro-batch belongs to (across all micro-batches and ranks)."""
+
+    num_seqs: int  # sequences in the minibatch
+    num_tokens: int  # valid response tokens in the minibatch
+    max_len: int  # T, the generation budget (for seq_mean_token_sum_norm, Dr. GRPO)
+
+
+def aggregate(values: Tensor, mask: Tensor, mode: Aggregation, scale: LossScale) -> Tensor:
+    """This micro-batch's share of the minibatch aggregate of per-token ``values`` ``[b, T]``.
+
+    - ``token_mean``: sum over all valid tokens / total valid tokens (DAPO token-level);
+    - ``seq_mean_token_mean``: mean over sequences of each sequence's token mean (GRPO paper, seed 000);
+    - ``seq_mean_token_sum``: mean over sequences of each sequence's token sum;
+    - ``seq_mean_token_sum_norm``: token sum / (num_seqs * max_len) (Dr. GRPO's constant normalizer).
+    """
+    m = mask.to(values.dtype)
+    masked = values * m
+    if mode == "token_mean":
+        return masked.sum() / max(scale.num_tokens, 1)
+    if mode == "seq_mean_token_mean":
+        return (masked.sum(-1) / m.sum(-1).clamp(min=1)).sum() / max(scale.num_seqs, 1)
+    if mode == "seq_mean_token_sum":
+        return masked.sum() / max(scale.num_seqs, 1)
+    if mode == "seq_mean_token_sum_norm":
+        return masked.sum() / max(scale.num_seqs * scale.max_len, 1)
+    raise KeyError(f"unknown loss aggregation {mode!r}; valid: {list(Aggregation.__args__)}")
+
+
+def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: KLKind) -> Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman, "Approximating KL").
+
+    With ``log_r = ref_logp - logp`` (r = pi_ref / pi_theta):
+    ``k1 = -log_r`` (= log pi_theta - log pi_ref, unbiased, high variance), ``k2 = (log_r)^2 / 2`` (biased, low
+    variance), ``k3 = r - log_r - 1`` (unbiased, always >= 0; seed 000 and GRPO). ``log_r`` is clamped to
+    [-20, 20] before exponentiation for numerical safety.
+    """
+    log_r = ref_logp - logp
+    if kind == "k1":
+        return -log_r
+    if kind == "k2":
+        return 0.5 * log_r**2
+    if kind == "k3":
+        log_r = log_r.clamp(-20.0, 20.0)
+        return log_r.exp() - log_r - 1.0
+    raise KeyError(f"unknown KL estimator {kind!r}; valid: ['k1', 'k2', 'k3']")
+
+
+def _ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, level: str) -> Tensor:
+    """Importance ratio pi_theta / pi_old per token; ``level="sequence"`` is GSPO's length-normalized sequence
+    ratio ``s_i = exp(mean_t log(pi_theta / pi_old))`` with the token-level gradient form of the GSPO paper."""
+    log_ratio = logp - old_logp
+    if level == "token":
+        return log_ratio.clamp(-20.0, 20.0).exp()
+    m = mask.to(logp.dtype)
+    seq = (log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1)
+    return (seq.detach()[:, None] + logp - logp.detach()).clamp(-20.0, 20.0).exp()
+
+
+@register_loss("policy")
+def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, scale: LossScale, *,
+                clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
+                ratio_level: str = "token", aggregation: Aggregation = "token_mean",
+                ref_logp: Tensor | None = None, kl_coef: float = 0.0, kl_kind: KLKind = "k3",
+                entropy: Tensor | None = None, entropy_coef: float = 0.0,
+                rollout_logp: Tensor | None = None, tis_cap: float | None = None) -> tuple[Tensor, dict]:
+    """PPO clipped surrogate (seed 002: ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)``) per token, with
+    optional dual clip (for A < 0 the loss is capped at ``-dual_clip * A``, Ye et al. 2020), optional
+    truncated importance sampling against the rollout engine's logprobs (weight
+    ``min(pi_old / pi_rollout, tis_cap)``), plus ``kl_coef * KL`` to the reference and ``- entropy_coef * H``.
+    Returns the micro-batch's share of the aggregate loss and additive metrics."""
+    ratio = _ratio(logp, old_logp, mask, ratio_level)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(pg1, pg2)
+    clipped = (pg2 > pg1).to(logp.dtype)
+    if dual_clip is not None:
+        pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * dual_clip), pg)
+    if rollout_logp is not None and tis_cap is not None:
+        pg = pg * (old_logp - rollout_logp).clamp(max=20.0).exp().clamp(max=tis_cap).detach()
+    loss = aggregate(pg, mask, aggregation, scale)
+    tok = LossScale(scale.num_seqs, scale.num_tokens, scale.max_len)
+    metrics = {
+        "actor/pg_loss": loss.detach(),
+        "actor/clip_frac": aggregate(clipped, mask, "token_mean", tok),
+        "actor/ratio_mean": aggregate(ratio.detach(), mask, "token_mean", tok),
+    }
+    if ref_logp is not None:
+        kl = kl_estimate(logp, ref_logp, kl_kind)
+        metrics["actor/kl"] = aggregate(kl.detach(), mask, "token_mean", tok)
+        if kl_coef:
+            loss = loss + kl_coef * aggregate(kl, mask, aggregation, scale)
+    if entropy is not None:
+        metrics["actor/entropy"] = aggregate(entropy.detach(), mask, "token_mean", tok)
+        if entropy_coef:
+            loss = loss - entropy_coef * aggregate(entropy, mask, aggregation, scale)
+    metrics["actor/loss"] = loss.detach()
+    return loss, metrics
+
+
+@register_loss("value")
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, scale: LossScale, *,
+               clip: float | None = 0.2, aggregation: Aggregation = "token_mean") -> tuple[Tensor, dict]:
+    """Clipped value loss (PPO2): ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)``."""
+    err = (values - returns) ** 2
+    if clip is not None:
+        v_clip = old_values + (values - old_values).clamp(-clip, clip)
+        err_clip = (v_clip - returns) ** 2
+        clipped = (err_clip > err).to(values.dtype)
+        err = torch.maximum(err, err_clip)
+    else:
+        clipped = torch.zeros_like(err)
+    loss = 0.5 * aggregate(err, mask, aggregation, scale)
+    tok = LossScale(scale.num_seqs, scale.num_tokens, scale.max_len)
+    return loss, {"critic/value_loss": loss.detach(), "critic/clip_frac": aggregate(clipped, mask, "token_mean", tok)}
+
+
+def sft_loss(logp: Tensor, mask: Tensor, scale: LossScale) -> tuple[Tensor, dict]:
+    """Negative log-likelihood of the response tokens, token mean over the minibatch."""
+    loss = aggregate(-logp, mask, "token_mean", scale)
+    return loss, {"sft/nll": loss.detach()}
+
+
+register_loss("sft")(sft_loss)

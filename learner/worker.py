@@ -1,0 +1,190 @@
+"""`learner-i` Ray actors: one rank each of a torch.distributed group, the policy in a DeepSpeed engine.
+
+The learner is algorithm-blind: it consumes :class:`TrainBatch` shards carrying per-token advantages and
+masks, and a dict of keyword arguments for :func:`learner.losses.policy_loss`. GRPO, RLOO, PPO, ... differ
+only in what the driver puts in the batch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+
+from learner.batch import TrainBatch, position_ids, response_logprobs
+
+
+def _set_dist_env(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
+                       "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+
+
+class LearnerWorker:
+    """Plain class; the orchestrator wraps it with ``ray.remote`` and names it ``learner-i``."""
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
+                 dtype: str, ds_config: dict, loss_kwargs: dict, temperature: float, seed: int, torch_threads: int,
+                 gradient_checkpointing: bool = False):
+        import torch
+
+        torch.set_num_threads(torch_threads)
+        torch.manual_seed(seed + rank)
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        _set_dist_env(rank, world_size, master_addr, master_port)
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        torch_dtype = getattr(torch, dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
+        self.ref.requires_grad_(False)
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+        self.loss_kwargs = loss_kwargs
+        self.temperature = temperature
+        self.zero_stage = ds_config["zero_optimization"]["stage"]
+        self.model_path = model_path
+
+    # ---- forward passes -------------------------------------------------------------------------------
+    def _forward(self, model, mb: TrainBatch):
+        ids = mb.input_ids.to(self.device)
+        attn = mb.attention_mask.to(self.device)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn)).logits
+        return response_logprobs(logits, _to(mb, self.device), self.temperature)
+
+    def compute_logprobs(self, shard: TrainBatch, micro_batch_size: int) -> dict:
+        """Policy (before the update) and reference logprobs of the shard's response tokens, ``[b, T]`` each."""
+        import torch
+
+        old, ref = [], []
+        with torch.no_grad():
+            for mb in _micro_batches(shard, micro_batch_size):
+                old.append(self._forward(self.engine.module, mb)[0].cpu())
+                ref.append(self._forward(self.ref, mb)[0].cpu())
+        return {"old_logprobs": torch.cat(old), "ref_logprobs": torch.cat(ref)}
+
+    # ---- training -------------------------------------------------------------------------------------
+    def train(self, minibatches: list[TrainBatch], epochs: int, micro_batch_size: int) -> dict:
+        """One optimizer step per minibatch shard and epoch. Returns metrics summed over this rank's
+        micro-batches (additive shares: the group sums them over ranks) and averaged over optimizer steps."""
+        from learner.losses import policy_loss
+
+        t0 = time.perf_counter()
+        sums: dict[str, float] = defaultdict(float)
+        n_steps = 0
+        for _ in range(epochs):
+            for shard in minibatches:
+                for mb in _micro_batches(shard, micro_batch_size):
+                    logp, entropy = self._forward(self.engine, mb)
+                    mb = _to(mb, self.device)
+                    loss, metrics = policy_loss(
+                        logp, mb.old_logprobs, mb.advantages, mb.response_mask, mb.scale,
+                        ref_logp=mb.ref_logprobs, entropy=entropy, rollout_logp=mb.rollout_logprobs,
+                        **self.loss_kwargs,
+                    )
+                    # loss is this micro-batch's share of the minibatch loss; DeepSpeed averages gradients
+                    # over ranks, so undo that division to keep the sum (split invariance).
+                    self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+                    self.engine.step()
+                    for k, v in metrics.items():
+                        sums[k] += float(v)
+                sums["actor/grad_norm"] += float(self.engine.get_global_grad_norm() or 0.0) / self.world_size
+                n_steps += 1
+        out = {k: v / n_steps for k, v in sums.items()}
+        out["actor/lr"] = self.engine.get_lr()[0] / self.world_size
+        out["time/learner_compute_s"] = (time.perf_counter() - t0) / self.world_size
+        return out
+
+    # ---- weights out ----------------------------------------------------------------------------------
+    def _gathered_chunks(self, bucket_mb: float):
+        """Yield lists of (name, cpu tensor) of at most ``bucket_mb`` MB, gathered from ZeRO-3 shards where
+        needed. Every rank must iterate (the gather is collective); only rank 0's tensors are meaningful."""
+        import deepspeed
+
+        params = list(self.engine.module.named_parameters())
+        limit = bucket_mb * 2**20
+        chunk, size = [], 0
+        for name, p in params:
+            numel = p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+            nbytes = numel * p.element_size()
+            if chunk and size + nbytes > limit:
+                yield self._gather(chunk, deepspeed)
+                chunk, size = [], 0
+            chunk.append((name, p))
+            size += nbytes
+        if chunk:
+            yield self._gather(chunk, deepspeed)
+
+    def _gather(self, chunk, deepspeed) -> list:
+        if self.zero_stage == 3:
+            with deepspeed.zero.GatheredParameters([p for _, p in chunk], modifier_rank=None):
+                return [(n, p.detach().cpu().clone()) for n, p in chunk] if self.rank == 0 else []
+        return [(n, p.detach().cpu()) for n, p in chunk] if self.rank == 0 else []
+
+    def weight_buckets(self, bucket_mb: float) -> list:
+        """Put the current weights into Ray's object store in buckets; rank 0 returns the ObjectRefs."""
+        import ray
+
+        refs = [ray.put(chunk) for chunk in self._gathered_chunks(bucket_mb)]
+        return refs if self.rank == 0 else []
+
+    def save_hf(self, out_dir: str) -> str | None:
+        """Write the policy as an HF directory (safetensors + tokenizer), gathered from all ranks."""
+        from transformers import AutoTokenizer
+
+        state = {n: t for chunk in self._gathered_chunks(1024) for n, t in chunk}
+        if self.rank != 0:
+            return None
+        self.engine.module.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out_dir)
+        return out_dir
+
+    def ping(self) -> int:
+        return self.rank
+
+
+def _to(mb: TrainBatch, device) -> TrainBatch:
+    if str(device) == "cpu":
+        return mb
+    from dataclasses import fields, replace
+
+    import torch
+
+    return replace(mb, **{f.name: getattr(mb, f.name).to(device) for f in fields(mb)
+                          if isinstance(getattr(mb, f.name), torch.Tensor)})
+
+
+def _micro_batches(shard: TrainBatch, size: int):
+    for i in range(0, shard.size, size):
+        yield shard.select(slice(i, i + size))
+
+
+def ds_config(micro_batch_size: int, grad_accum: int, world_size: int, zero_stage: int, lr: float,
+              betas: tuple[float, float], weight_decay: float, warmup_steps: int, grad_clip: float,
+              dtype: str) -> dict:
+    """DeepSpeed config: torch AdamW (works on CPU and GPU), constant LR after linear warmup."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": micro_batch_size * grad_accum * world_size,
+        "zero_optimization": {"stage": zero_stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": list(betas), "weight_decay": weight_decay,
+                                                  "torch_adam": True}},
+        "gradient_clipping": grad_clip if grad_clip > 0 else 0.0,
+        "bf16": {"enabled": dtype == "bfloat16"},
+        "fp16": {"enabled": dtype == "float16"},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if warmup_steps:
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
+                                                           "warmup_num_steps": warmup_steps, "warmup_type": "linear"}}
+    return cfg
+
+

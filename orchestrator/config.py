@@ -1,0 +1,334 @@
+"""One pydantic tree for a whole fleetrl run.
+
+Defaults are the embedded default run (the small arithmetic model on 2 CPU cores). Every field has a
+docstring; bounds are validated at load time, and cross-field checks explain themselves. The algorithm is
+chosen once, here, by the discriminated union on ``algorithm.name``.
+
+Load a YAML file and apply dotted overrides with :func:`load_config`; errors come back as
+:class:`ConfigError` whose message names the key, what was given, and what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+EMBEDDED_MODEL_PATH = ".fleetrl/models/arith-base"
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, docstrings become field descriptions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str = EMBEDDED_MODEL_PATH
+    """Local HF model directory (config, safetensors, tokenizer). The default is the embedded arithmetic
+    model, built by `fleetrl init-model` when missing. Point it at any local causal LM for a real run."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of the learner and the rollout engines."""
+    init_seed: int = 0
+    """Seed of the embedded model's initialization and warm start (ignored for other models)."""
+
+
+class DataConfig(Section):
+    task: Literal["arithmetic"] = "arithmetic"
+    """Built-in prompt generator."""
+    prompts_per_step: int = Field(16, ge=1, le=4096)
+    """Distinct prompts per training step; each gets `rollout.group_size` samples."""
+    eval_size: int = Field(200, ge=1, le=100000)
+    """Number of held-out prompts scored greedily at each eval."""
+    max_operand: int = Field(99, ge=1, le=10**6)
+    """Arithmetic task: operands are drawn from [0, max_operand]."""
+    seed: int = 0
+    """Seed of the prompt stream (the eval split is fixed and does not depend on it)."""
+
+
+class RolloutConfig(Section):
+    num_workers: int = Field(2, ge=1, le=1024)
+    """Number of `rollout-i` actors, each owning one vLLM engine."""
+    group_size: int = Field(8, ge=1, le=1024)
+    """G: samples per prompt."""
+    max_new_tokens: int = Field(8, ge=1, le=131072)
+    """Completion length cap."""
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    """Sampling temperature for training rollouts (eval is greedy)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling for training rollouts."""
+    kv_cache_gib: float = Field(0.25, gt=0.0, le=1024)
+    """CPU: VLLM_CPU_KVCACHE_SPACE per engine, GiB. GPU: ignored (see gpu_memory_utilization)."""
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    """GPU only: fraction of GPU memory the engine may take."""
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    """GPU only: tensor parallel degree of each engine."""
+    num_cpus: float = Field(0.5, ge=0.0)
+    """Ray CPUs reserved by each rollout actor."""
+    num_gpus: float = Field(0.0, ge=0.0)
+    """Ray GPUs reserved by each rollout actor."""
+    weight_bucket_mb: float = Field(256.0, gt=0.0)
+    """Weights are pushed to the engines in buckets of at most this many MB."""
+    seed: int = 0
+    """Base sampling seed; sample seeds derive from it, the step and the prompt index."""
+
+
+class RewardFunctionSpec(Section):
+    name: str = "math"
+    """A built-in reward (see rewards.REWARD_FUNCTIONS) or an import path `pkg.module:function`."""
+    weight: float = 1.0
+    """Weight of this function's value in the summed reward."""
+
+
+class RewardConfig(Section):
+    num_workers: int = Field(1, ge=1, le=1024)
+    """Number of `reward-i` actors."""
+    functions: list[RewardFunctionSpec] = Field(default_factory=lambda: [RewardFunctionSpec()])
+    """Reward functions scored for every completion; the reward is their weighted sum."""
+    timeout_s: float = Field(10.0, gt=0.0)
+    """Per-call time limit of a reward function; a call past it scores 0 and counts as an error."""
+    strict: bool = False
+    """Make a raising or hanging reward function fatal instead of scoring 0."""
+    num_cpus: float = Field(0.25, ge=0.0)
+    """Ray CPUs reserved by each reward actor."""
+
+
+class LossConfig(Section):
+    clip_low: float = Field(0.2, ge=0.0, le=1.0)
+    """PPO ratio clip below 1 (eps_low)."""
+    clip_high: float = Field(0.2, ge=0.0, le=10.0)
+    """PPO ratio clip above 1 (eps_high; > clip_low is DAPO's clip-higher)."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """beta: weight of the KL(pi_theta || pi_ref) penalty in the loss."""
+    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman): k1 = log r, k2 = (log r)^2 / 2, k3 = r - log r - 1 with r = pi_ref / pi_theta."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Entropy bonus weight (subtracted from the loss)."""
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = (
+        "token_mean"
+    )
+    """How per-token losses become one number; the result does not depend on micro-batch or rank splits."""
+    dual_clip: float | None = Field(None, gt=1.0)
+    """Dual-clip constant c > 1: for negative advantages the loss is capped at -c * A (None disables)."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token (PPO/GRPO) or per sequence (GSPO)."""
+    tis_cap: float | None = Field(2.0, gt=0.0)
+    """Truncated importance sampling: weight tokens by min(pi_old / pi_rollout, tis_cap) to correct for the
+    rollout engine's numerics or staleness (None disables)."""
+
+    def loss_kwargs(self) -> dict:
+        """Keyword arguments of learner.losses.policy_loss (the learner sees only these)."""
+        keys = ("clip_low", "clip_high", "dual_clip", "ratio_level", "aggregation", "kl_coef", "kl_kind",
+                "entropy_coef", "tis_cap")
+        return {k: getattr(self, k) for k in keys}
+
+    def advantage_kwargs(self) -> dict:
+        """Keyword arguments of this algorithm's estimator beyond (rewards, group_ids, mask)."""
+        return {}
+
+
+class GRPOConfig(LossConfig):
+    """GRPO (DeepSeekMath): group-normalized outcome reward as every token's advantage."""
+
+    name: Literal["grpo"] = "grpo"
+    scale_by_std: bool = True
+    """Divide by the group's (unbiased) std; False is Dr. GRPO."""
+    eps: float = Field(1e-6, gt=0.0)
+    """Added to the std in the denominator."""
+
+    def advantage_kwargs(self) -> dict:
+        return {"scale_by_std": self.scale_by_std, "eps": self.eps}
+
+
+class DrGRPOConfig(LossConfig):
+    """Dr. GRPO: GRPO without the std division (and usually seq_mean_token_sum_norm aggregation)."""
+
+    name: Literal["dr_grpo"] = "dr_grpo"
+
+
+class RLOOConfig(LossConfig):
+    """RLOO: reward minus the mean reward of the other members of the group."""
+
+    name: Literal["rloo"] = "rloo"
+
+
+AlgorithmConfig = Annotated[Union[GRPOConfig, DrGRPOConfig, RLOOConfig], Field(discriminator="name")]
+
+
+class LearnerConfig(Section):
+    num_ranks: int = Field(2, ge=1, le=4096)
+    """Learner ranks (`learner-i` actors) forming one torch.distributed group."""
+    zero_stage: int = Field(2, ge=0, le=3)
+    """DeepSpeed ZeRO stage."""
+    lr: float = Field(3e-4, gt=0.0, le=1.0)
+    """AdamW learning rate (constant after warmup)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear LR warmup, in optimizer steps."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, ge=0.0)
+    """Global gradient-norm clip (0 disables)."""
+    micro_batch_size: int = Field(32, ge=1)
+    """Sequences per forward/backward on one rank."""
+    num_minibatches: int = Field(1, ge=1)
+    """Optimizer steps per training step (the batch is split into this many minibatches)."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the step's batch."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (saves memory on large models)."""
+    num_cpus: float = Field(0.5, ge=0.0)
+    """Ray CPUs reserved by each learner rank."""
+    num_gpus: float = Field(0.0, ge=0.0)
+    """Ray GPUs reserved by each learner rank."""
+    master_port: int = Field(0, ge=0, le=65535)
+    """torch.distributed rendezvous port on rank 0's node (0 picks a free one)."""
+
+
+class TrainerConfig(Section):
+    total_steps: int = Field(120, ge=0)
+    """Training steps to run."""
+    eval_every: int = Field(10, ge=0)
+    """Run a held-out eval every this many steps (and at step 0 and the last step); 0 disables evals."""
+    seed: int = 0
+    """Seed of the learner (torch) and driver RNGs."""
+    torch_threads: int = Field(1, ge=1)
+    """torch intra-op threads per actor (keep small: actors share the machine's cores)."""
+
+
+class RunConfig(Section):
+    dir: str = "runs/default"
+    """Run directory: resolved config, metrics.jsonl, TensorBoard events, plot, final policy."""
+    ray_address: str | None = None
+    """Ray cluster to join; None uses RAY_ADDRESS or starts a local one."""
+    plot_every: int = Field(10, ge=1)
+    """Rewrite the progress plot every this many steps."""
+
+
+class FleetConfig(Section):
+    """The whole run."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=GRPOConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _check_batch_split(self) -> "FleetConfig":
+        seqs = self.data.prompts_per_step * self.rollout.group_size
+        per_rank, rem = divmod(seqs, self.learner.num_ranks * self.learner.num_minibatches)
+        if rem:
+            raise ValueError(
+                f"data.prompts_per_step * rollout.group_size = {seqs} sequences must split evenly into "
+                f"learner.num_ranks * learner.num_minibatches = "
+                f"{self.learner.num_ranks * self.learner.num_minibatches} shards"
+            )
+        if per_rank % min(self.learner.micro_batch_size, per_rank):
+            raise ValueError(
+                f"each rank's shard of {per_rank} sequences must split evenly into "
+                f"learner.micro_batch_size = {self.learner.micro_batch_size}"
+            )
+        return self
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.data.prompts_per_step * self.rollout.group_size
+
+    def micro_batches_per_rank(self) -> int:
+        """Gradient-accumulation micro-batches per rank and optimizer step."""
+        per_rank = self.sequences_per_step // (self.learner.num_ranks * self.learner.num_minibatches)
+        return max(1, per_rank // self.learner.micro_batch_size)
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key and what is allowed."""
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            parent = _section_for(tuple(e["loc"][:-1]))
+            allowed = ", ".join(parent.model_fields) if parent else "?"
+            lines.append(f"  {key}: unknown key (allowed here: {allowed})")
+        elif e["type"] == "union_tag_invalid":
+            lines.append(f"  {key}: {e['msg']}")
+        else:
+            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _section_for(path: tuple) -> type[BaseModel] | None:
+    cls: type[BaseModel] = FleetConfig
+    for part in path:
+        if not isinstance(part, str) or part not in cls.model_fields:
+            return None if not isinstance(part, str) else _union_member(cls, part, path)
+        ann = cls.model_fields[part].annotation
+        cls = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        if cls is None:
+            return None
+    return cls
+
+
+def _union_member(cls: type[BaseModel], part: str, path: tuple) -> type[BaseModel] | None:
+    """Pydantic puts the union tag ('grpo') into the error location; map it back to the member class."""
+    for member in (GRPOConfig, DrGRPOConfig, RLOOConfig):
+        if member.model_fields["name"].default == part:
+            return member
+    return None
+
+
+def apply_override(tree: dict, dotted: str) -> None:
+    """Apply one `a.b.c=value` override to a nested dict; the value is parsed as YAML (safe loader)."""
+    if "=" not in dotted:
+        raise ConfigError(f"override {dotted!r} is not of the form key.path=value")
+    key, raw = dotted.split("=", 1)
+    parts = key.strip().split(".")
+    node = tree
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {p!r} is a value, not a section")
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {dotted!r}: value is not valid YAML: {e}") from e
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> FleetConfig:
+    """Read an optional YAML file, apply dotted overrides, validate."""
+    tree: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+        try:
+            tree = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(tree).__name__}")
+    for ov in overrides:
+        apply_override(tree, ov)
+    if overrides:
+        source += " + overrides " + " ".join(overrides)
+    try:
+        return FleetConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, source)) from None
+
+
+def dump_config(cfg: FleetConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,124 @@
+"""The embedded default model: a tiny Qwen2-architecture causal LM with its own character tokenizer,
+given a short supervised warm start on the arithmetic task so that its greedy accuracy is weak but not zero.
+
+Deterministic from a seed; written as an ordinary HF directory (config, safetensors, tokenizer.json) that
+transformers and vLLM both load. Nothing is fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+CHARS = list("0123456789+-*=() ")
+SPECIALS = ["<pad>", "<eos>", "<bos>"]
+
+
+def build_tokenizer():
+    """Character-level tokenizer (tokenizers library) wrapped as a transformers fast tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    fast.padding_side = "left"
+    return fast
+
+
+def build_model(vocab_size: int, seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+        tie_word_embeddings=True, rope_theta=10000.0, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+        torch_dtype="float32",
+    )
+    return Qwen2ForCausalLM(cfg)
+
+
+def _encode_pairs(tokenizer, pairs: list[tuple[str, str]]):
+    """Right-padded ids with loss only on the completion and its EOS."""
+    rows = [tokenizer(p)["input_ids"] for p, _ in pairs]
+    comps = [tokenizer(c)["input_ids"] + [tokenizer.eos_token_id] for _, c in pairs]
+    width = max(len(r) + len(c) for r, c in zip(rows, comps))
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (r, c) in enumerate(zip(rows, comps)):
+        seq = r + c
+        ids[i, : len(seq)] = torch.tensor(seq)
+        labels[i, len(r): len(seq)] = torch.tensor(c)
+        attn[i, : len(seq)] = 1
+    return ids, labels, attn
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, prompts: list[str], answers: list[str], max_new_tokens: int = 5) -> float:
+    """Greedy accuracy by repeated full forwards (warm start only; training uses vLLM)."""
+    model.eval()
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    ids, attn = enc["input_ids"], enc["attention_mask"]
+    done = torch.zeros(len(prompts), dtype=torch.bool)
+    out = [[] for _ in prompts]
+    for _ in range(max_new_tokens):
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        nxt = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -1].argmax(-1)
+        for i, t in enumerate(nxt.tolist()):
+            if not done[i]:
+                if t == tokenizer.eos_token_id:
+                    done[i] = True
+                else:
+                    out[i].append(t)
+        ids = torch.cat([ids, nxt[:, None]], 1)
+        attn = torch.cat([attn, torch.ones_like(nxt)[:, None]], 1)
+    model.train()
+    texts = [tokenizer.decode(o) for o in out]
+    return sum(t.strip() == a for t, a in zip(texts, answers)) / len(prompts)
+
+
+def init_model(out_dir: str | Path, seed: int = 0, target_accuracy: float = 0.25, max_steps: int = 4000,
+               lr: float = 1e-3, batch_size: int = 256, log=print) -> dict:
+    """Build, warm-start until held-out greedy accuracy reaches ``target_accuracy``, save. Returns a summary."""
+    from rewards.tasks import ArithmeticTask
+
+    torch.set_num_threads(2)
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer()
+    model = build_model(len(tokenizer), seed)
+    task = ArithmeticTask()
+    evals = task.eval_set(200)
+    ev_prompts, ev_answers = [p.text for p in evals], [p.metadata["answer"] for p in evals]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
+    rng = random.Random(seed)
+    t0, acc, step = time.time(), greedy_accuracy(model, tokenizer, ev_prompts, ev_answers), 0
+    log(f"init-model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params, step 0 acc {acc:.3f}")
+    while acc < target_accuracy and step < max_steps:
+        ids, labels, attn = _encode_pairs(tokenizer, task.sft_examples(rng, batch_size))
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        if step % 50 == 0:
+            acc = greedy_accuracy(model, tokenizer, ev_prompts, ev_answers)
+            log(f"init-model: step {step} loss {loss.item():.3f} greedy eval acc {acc:.3f}")
+    model.eval()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    summary = {"steps": step, "greedy_eval_accuracy": acc, "seconds": round(time.time() - t0, 1), "seed": seed}
+    (out_dir / "fleetrl_init.json").write_text(json.dumps(summary, indent=1))
+    return summary

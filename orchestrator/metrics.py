@@ -1,0 +1,91 @@
+"""Run outputs: metrics.jsonl (one object per step), TensorBoard events, a PNG progress plot, console lines."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase of one step: ``with timer("generate"): ...``."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.start = time.perf_counter()
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"time/{k}_s": v for k, v in self.seconds.items()}
+        out["time/step_s"] = time.perf_counter() - self.start
+        return out
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, plot_every: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.run_dir = run_dir
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self.plot_every = plot_every
+        self.history: list[dict] = []
+
+    def log(self, metrics: dict) -> None:
+        clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+                 for k, v in metrics.items()}
+        clean["step"] = int(metrics["step"])
+        self.history.append(clean)
+        with self.path.open("a") as f:
+            f.write(json.dumps(clean, allow_nan=True) + "\n")
+        for k, v in clean.items():
+            if k != "step" and isinstance(v, float) and math.isfinite(v):
+                self.tb.add_scalar(k, v, clean["step"])
+        self.tb.flush()
+        if clean["step"] % self.plot_every == 0:
+            self.plot()
+
+    def plot(self) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        steps = [m["step"] for m in self.history if "reward/mean" in m]
+        ax.plot(steps, [m["reward/mean"] for m in self.history if "reward/mean" in m], label="train reward (mean)")
+        ev = [(m["step"], m["eval/accuracy"]) for m in self.history if "eval/accuracy" in m]
+        if ev:
+            ax.plot(*zip(*ev), "o-", label="held-out eval accuracy (greedy)")
+        ax.set_xlabel("step")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+        ax.set_title(self.run_dir.name)
+        out = self.run_dir / "progress.png"
+        fig.tight_layout()
+        fig.savefig(out, dpi=90)
+        plt.close(fig)
+        return out
+
+    def close(self) -> None:
+        self.plot()
+        self.tb.close()
+
+
+def progress_line(m: dict) -> str:
+    ev = f" eval {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
+    return (f"step {m['step']:>4} v{m['policy_version']} reward {m.get('reward/mean', float('nan')):.3f}"
+            f" acc {m.get('train/accuracy', float('nan')):.3f}{ev} loss {m.get('loss', float('nan')):+.4f}"
+            f" kl {m.get('kl', float('nan')):.4f} sync_diff {m.get('weight_sync/logprob_max_diff', float('nan')):.1e}"
+            f" | gen {m.get('time/generate_s', 0):.2f}s learn {m.get('time/learn_s', 0):.2f}s"
+            f" sync {m.get('time/sync_s', 0):.2f}s step {m.get('time/step_s', 0):.2f}s")

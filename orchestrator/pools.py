@@ -1,0 +1,171 @@
+"""Typed handles over groups of Ray actors: the driver calls methods, these decide how a call is split over
+the group and gathered back (the role of verl's dispatch modes, written out as ordinary methods)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from learner.batch import TrainBatch
+from learner.worker import LearnerWorker, ds_config
+from orchestrator.config import FleetConfig
+from rewards.tasks import Prompt
+from rewards.worker import RewardWorker
+from workers.records import Sample, ScoredSample
+from workers.rollout import CPU_ENV, RolloutWorker
+
+
+def _chunks(items: list, n: int) -> list[list]:
+    """Split into ``n`` contiguous nearly equal parts (some may be empty)."""
+    k, r = divmod(len(items), n)
+    out, i = [], 0
+    for j in range(n):
+        size = k + (j < r)
+        out.append(items[i: i + size])
+        i += size
+    return out
+
+
+class RolloutPool:
+    """The `rollout-i` actors. ``generate`` spreads prompts over workers and keeps prompt order."""
+
+    def __init__(self, cfg: FleetConfig, max_model_len: int):
+        self.cfg = cfg
+        self.max_model_len = max_model_len
+        self.workers: list = []
+        self.version = 0
+        for i in range(cfg.rollout.num_workers):
+            self.workers.append(self._spawn(i))
+        ray.get([w.stats.remote() for w in self.workers])
+
+    def _spawn(self, index: int):
+        r = self.cfg.rollout
+        actor = ray.remote(RolloutWorker).options(
+            name=f"rollout-{index}", num_cpus=r.num_cpus, num_gpus=r.num_gpus * r.tensor_parallel_size,
+            runtime_env={"env_vars": CPU_ENV}, scheduling_strategy="SPREAD", max_concurrency=1,
+        )
+        return actor.remote(
+            self.cfg.model.path, self.cfg.model.dtype, self.max_model_len, r.kv_cache_gib,
+            self.cfg.rollout.seed + index, r.gpu_memory_utilization, r.tensor_parallel_size,
+        )
+
+    def generate(self, prompts: list[Prompt], group_size: int, temperature: float, seed: int | None) -> list[Sample]:
+        r = self.cfg.rollout
+        parts = _chunks([(p.uid, p.text, p.metadata) for p in prompts], len(self.workers))
+        refs = [w.generate.remote(part, group_size, r.max_new_tokens, temperature, r.top_p, seed)
+                for w, part in zip(self.workers, parts) if part]
+        return [s for out in ray.get(refs) for s in out]
+
+    def load_weights(self, bucket_refs: list, version: int) -> list[dict]:
+        self.version = version
+        return ray.get([w.load_weights.remote(bucket_refs, version) for w in self.workers])
+
+    def stats(self) -> list[dict]:
+        return ray.get([w.stats.remote() for w in self.workers])
+
+
+class RewardPool:
+    """The `reward-i` actors. ``score`` spreads samples over workers and keeps order."""
+
+    def __init__(self, cfg: FleetConfig):
+        rc = cfg.reward
+        specs = [(f.name, f.weight) for f in rc.functions]
+        self.workers = [
+            ray.remote(RewardWorker).options(name=f"reward-{i}", num_cpus=rc.num_cpus).remote(
+                specs, rc.timeout_s, rc.strict)
+            for i in range(rc.num_workers)
+        ]
+
+    def score(self, samples: list[Sample]) -> tuple[list[ScoredSample], int]:
+        parts = _chunks(samples, len(self.workers))
+        refs = [w.score.remote([(s.prompt_text, s.completion_text, s.metadata) for s in part])
+                for w, part in zip(self.workers, parts) if part]
+        results, errors = [], 0
+        for out, errs in ray.get(refs):
+            results.extend(out)
+            errors += errs
+        scored = [ScoredSample(s, r.reward, r.components) for s, r in zip(samples, results)]
+        return scored, errors
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class LearnerGroup:
+    """The `learner-i` ranks: one torch.distributed group in one PACK placement group."""
+
+    def __init__(self, cfg: FleetConfig):
+        lc = cfg.learner
+        self.cfg = cfg
+        self.world = lc.num_ranks
+        self.pg = placement_group([{"CPU": lc.num_cpus, "GPU": lc.num_gpus} if lc.num_gpus else {"CPU": lc.num_cpus}
+                                   for _ in range(self.world)], strategy="PACK")
+        ray.get(self.pg.ready())
+        master_addr = self._bundle0_ip()
+        port = lc.master_port or _free_port()
+        gas = cfg.micro_batches_per_rank()
+        micro = (cfg.sequences_per_step // (self.world * lc.num_minibatches)) // gas
+        self.micro_batch_size = micro
+        dsc = ds_config(micro, gas, self.world, lc.zero_stage, lc.lr, lc.betas, lc.weight_decay, lc.warmup_steps,
+                        lc.grad_clip, cfg.model.dtype)
+        self.ranks = [
+            ray.remote(LearnerWorker).options(
+                name=f"learner-{r}", num_cpus=lc.num_cpus, num_gpus=lc.num_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+            ).remote(r, self.world, master_addr, port, cfg.model.path, cfg.model.dtype, dsc,
+                     cfg.algorithm.loss_kwargs(), cfg.rollout.temperature, cfg.trainer.seed,
+                     cfg.trainer.torch_threads, lc.gradient_checkpointing)
+            for r in range(self.world)
+        ]
+        ray.get([w.ping.remote() for w in self.ranks])
+
+    def _bundle0_ip(self) -> str:
+        node_id = ray.util.placement_group_table(self.pg)["bundles_to_node_id"][0]
+        for node in ray.nodes():
+            if node["NodeID"] == node_id:
+                return node["NodeManagerAddress"]
+        return "127.0.0.1"
+
+    def compute_logprobs(self, batch: TrainBatch) -> TrainBatch:
+        """Fill ``old_logprobs`` and ``ref_logprobs`` (one no-grad pass of each model, rows split over ranks)."""
+        import torch
+
+        outs = ray.get([w.compute_logprobs.remote(s, self.micro_batch_size)
+                        for w, s in zip(self.ranks, batch.shards(self.world))])
+        batch.old_logprobs = torch.cat([o["old_logprobs"] for o in outs])
+        batch.ref_logprobs = torch.cat([o["ref_logprobs"] for o in outs])
+        return batch
+
+    def train(self, batch: TrainBatch) -> dict:
+        """Split into minibatches (each its own loss scale), then each minibatch over ranks; sum the ranks'
+        additive metrics."""
+        lc = self.cfg.learner
+        minibatches = [mb.with_scale() for mb in batch.shards(lc.num_minibatches)]
+        per_rank = list(zip(*[mb.shards(self.world) for mb in minibatches]))
+        outs = ray.get([w.train.remote(list(shards), lc.epochs, self.micro_batch_size)
+                        for w, shards in zip(self.ranks, per_rank)])
+        return {k: sum(o[k] for o in outs) for k in outs[0]}
+
+    def weight_buckets(self) -> list:
+        """ObjectRefs of the current weights in buckets (every rank takes part in the ZeRO-3 gather)."""
+        outs = ray.get([w.weight_buckets.remote(self.cfg.rollout.weight_bucket_mb) for w in self.ranks])
+        return outs[0]
+
+    def save_hf(self, out_dir: str) -> None:
+        ray.get([w.save_hf.remote(out_dir) for w in self.ranks])
+
+
+def wait_for(refs, what: str, timeout: float):
+    """ray.get with a timeout that names what was being waited for."""
+    start = time.time()
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(f"{what} did not finish within {timeout:.0f}s (waited {time.time() - start:.0f}s)")

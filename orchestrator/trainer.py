@@ -1,0 +1,161 @@
+"""The single controller: one driver owns the loop and calls typed methods on the actor groups.
+
+    generate -> score -> (learner logprobs) -> advantages -> update -> push weights
+
+Each phase is timed; one JSON object per step goes to metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from learner.advantages import get_estimator
+from learner.batch import TrainBatch, build_batch
+from orchestrator.config import FleetConfig, dump_config
+from orchestrator.metrics import MetricsLogger, PhaseTimer, progress_line
+from rewards.functions import math_reward
+from rewards.tasks import make_task
+from workers.records import ScoredSample
+
+log = logging.getLogger("fleetrl")
+
+
+class Trainer:
+    def __init__(self, cfg: FleetConfig):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.dir)
+        self.task = make_task(cfg.data.task, max_operand=cfg.data.max_operand, seed=cfg.data.seed)
+        self.eval_prompts = self.task.eval_set(cfg.data.eval_size)
+        self.version = 0
+
+    def start(self) -> None:
+        """Create the run directory and the actor groups (rollout, reward, learner)."""
+        from orchestrator.pools import LearnerGroup, RewardPool, RolloutPool
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
+        (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        self.metrics = MetricsLogger(self.run_dir, self.cfg.run.plot_every)
+        max_len = 64 + self.cfg.rollout.max_new_tokens
+        t0 = time.perf_counter()
+        self.learner = LearnerGroup(self.cfg)
+        self.rollouts = RolloutPool(self.cfg, max_model_len=max_len)
+        self.rewards = RewardPool(self.cfg)
+        log.info("actors up in %.1fs: %d rollout, %d reward, %d learner ranks", time.perf_counter() - t0,
+                 len(self.rollouts.workers), len(self.rewards.workers), self.learner.world)
+
+    def run(self) -> list[dict]:
+        self.start()
+        total = self.cfg.trainer.total_steps
+        for step in range(total + 1):
+            metrics = {"step": step, "policy_version": self.version}
+            if self._is_eval_step(step):
+                metrics.update(self.evaluate())
+            if step < total:
+                metrics.update(self.train_step(step))
+            self.metrics.log(metrics)
+            print(progress_line(metrics), flush=True)
+        final = self.run_dir / "final"
+        self.learner.save_hf(str(final))
+        self.metrics.close()
+        log.info("final policy written to %s", final)
+        return self.metrics.history
+
+    def _is_eval_step(self, step: int) -> bool:
+        every = self.cfg.trainer.eval_every
+        return every > 0 and (step % every == 0 or step == self.cfg.trainer.total_steps)
+
+    def train_step(self, step: int) -> dict:
+        cfg, timer = self.cfg, PhaseTimer()
+        prompts = self.task.train_batch(step, cfg.data.prompts_per_step)
+        with timer("generate"):
+            samples = self.rollouts.generate(prompts, cfg.rollout.group_size, cfg.rollout.temperature,
+                                             seed=cfg.rollout.seed * 100_003 + step)
+        with timer("reward"):
+            scored, reward_errors = self.rewards.score(samples)
+        with timer("logprobs"):
+            batch = self.learner.compute_logprobs(self._to_batch(scored))
+        with timer("advantages"):
+            batch.advantages = self.advantages(scored, batch)
+        with timer("learn"):
+            train_metrics = self.learner.train(batch)
+        with timer("sync"):
+            self.push_weights()
+        return {**self._rollout_metrics(scored, batch, reward_errors), **_rename(train_metrics), **timer.metrics()}
+
+    def advantages(self, scored: list[ScoredSample], batch: TrainBatch) -> torch.Tensor:
+        """Per-token advantages from the configured estimator (the only algorithm-specific step)."""
+        algo = self.cfg.algorithm
+        rewards = torch.tensor([s.reward for s in scored], dtype=torch.float32)
+        groups = _group_ids(scored)
+        return get_estimator(algo.name)(rewards, groups, batch.response_mask, **algo.advantage_kwargs())
+
+    def push_weights(self) -> None:
+        """Learner -> every rollout engine, in place; the policy version advances."""
+        self.version += 1
+        self.rollouts.load_weights(self.learner.weight_buckets(), self.version)
+
+    def evaluate(self) -> dict:
+        """Greedy held-out accuracy through the rollout engines."""
+        t0 = time.perf_counter()
+        samples = self.rollouts.generate(self.eval_prompts, 1, temperature=0.0, seed=None)
+        correct = [math_reward(s.prompt_text, s.completion_text, s.metadata) for s in samples]
+        return {"eval/accuracy": sum(correct) / len(correct), "time/eval_s": time.perf_counter() - t0}
+
+    def _to_batch(self, scored: list[ScoredSample]) -> TrainBatch:
+        s = [x.sample for x in scored]
+        pad = 0
+        return build_batch([x.prompt_ids for x in s], [x.completion_ids for x in s], [x.logprobs for x in s], pad)
+
+    def _rollout_metrics(self, scored: list[ScoredSample], batch: TrainBatch, reward_errors: int) -> dict:
+        rewards = torch.tensor([s.reward for s in scored])
+        correct = [math_reward(x.sample.prompt_text, x.sample.completion_text, x.sample.metadata) for x in scored]
+        mask = batch.response_mask.bool()
+        diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask]
+        lengths = mask.sum(-1).float()
+        return {
+            "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "reward/errors": reward_errors, "train/accuracy": sum(correct) / len(correct),
+            "tokens_generated": int(mask.sum()), "response/length_mean": lengths.mean().item(),
+            "weight_sync/logprob_max_diff": diff.max().item() if diff.numel() else 0.0,
+            "rollout/policy_version_min": min(x.sample.policy_version for x in scored),
+        }
+
+
+def _group_ids(scored: list[ScoredSample]) -> torch.Tensor:
+    index: dict[str, int] = {}
+    return torch.tensor([index.setdefault(s.sample.prompt_uid, len(index)) for s in scored])
+
+
+def _rename(m: dict) -> dict:
+    """Learner metrics under their role prefix, plus the short names the run summary uses."""
+    out = dict(m)
+    out["loss"] = m.get("actor/loss", float("nan"))
+    out["kl"] = m.get("actor/kl", float("nan"))
+    out["clip_frac"] = m.get("actor/clip_frac", float("nan"))
+    out["entropy"] = m.get("actor/entropy", float("nan"))
+    return out
+
+
+def run_training(cfg: FleetConfig) -> list[dict]:
+    """Join or start Ray, then run the loop."""
+    import ray
+
+    address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
+    if not ray.is_initialized():
+        if address:
+            ray.init(address=address)
+        else:
+            ray.init(num_cpus=max(os.cpu_count() or 1, _cpus_needed(cfg)), include_dashboard=False)
+    return Trainer(cfg).run()
+
+
+def _cpus_needed(cfg: FleetConfig) -> int:
+    need = (cfg.rollout.num_workers * cfg.rollout.num_cpus + cfg.reward.num_workers * cfg.reward.num_cpus
+            + cfg.learner.num_ranks * cfg.learner.num_cpus)
+    return int(need + 0.999)

@@ -1,0 +1,85 @@
+"""Reward functions: ``fn(prompt, completion, metadata) -> float | dict[str, float]``.
+
+A dict return is a set of named reward components (for GDPO); a float is one component named after the
+function. Built-ins are registered by name in :data:`REWARD_FUNCTIONS`; a user function is named by its
+import path ``package.module:function``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Callable
+
+RewardFn = Callable[[str, str, dict], "float | dict[str, float]"]
+REWARD_FUNCTIONS: dict[str, RewardFn] = {}
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+
+
+def register_reward(name: str):
+    def deco(fn: RewardFn) -> RewardFn:
+        if name in REWARD_FUNCTIONS:
+            raise ValueError(f"reward function {name!r} is already registered")
+        REWARD_FUNCTIONS[name] = fn
+        return fn
+
+    return deco
+
+
+def extract_answer(text: str) -> str | None:
+    r"""The final answer of a completion: the last ``\boxed{...}``, else what follows ``####``, else the last
+    number; None when there is none."""
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip() or None
+    nums = _NUMBER.findall(text)
+    return nums[-1] if nums else None
+
+
+def _last_boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i, depth = start + len("\\boxed{"), 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def answers_equal(given: str, reference: str) -> bool:
+    """Mathematical equivalence through math-verify (so 1/2, 0.5 and \\frac{1}{2} agree)."""
+    if given.strip() == reference.strip():
+        return True
+    from math_verify import parse, verify
+
+    def wrap(s: str):
+        return parse(f"${s}$", parsing_timeout=None)
+
+    gold, pred = wrap(reference), wrap(given)
+    return bool(gold and pred and verify(gold, pred, timeout_seconds=None))
+
+
+@register_reward("math")
+def math_reward(prompt: str, completion: str, metadata: dict) -> float:
+    """1.0 when the completion's final answer equals ``metadata["answer"]`` mathematically, else 0.0."""
+    given = extract_answer(completion)
+    return float(given is not None and answers_equal(given, str(metadata["answer"])))
+
+
+def load_reward_function(name: str) -> RewardFn:
+    """A built-in by name, or a user function by import path ``pkg.module:function``."""
+    if name in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[name]
+    if ":" not in name:
+        raise KeyError(f"unknown reward function {name!r}; built-ins: {sorted(REWARD_FUNCTIONS)}, "
+                       "or give an import path like 'mypkg.rewards:score'")
+    module, attr = name.split(":", 1)
+    fn = getattr(importlib.import_module(module), attr, None)
+    if not callable(fn):
+        raise KeyError(f"reward function {name!r}: {module} has no callable {attr!r}")
+    return fn

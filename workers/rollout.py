@@ -1,0 +1,109 @@
+"""`rollout-i` Ray actors: each owns one vLLM ``LLM`` engine in-process.
+
+``generate`` takes prompts and returns G :class:`Sample` per prompt with token ids, per-token logprobs and
+the policy version of the weights that produced them. ``load_weights`` reloads the engine in place from
+buckets of tensors in Ray's object store (see :mod:`workers.vllm_ext`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterator
+
+from workers.records import Sample
+
+CPU_ENV = {
+    # one engine per actor, in-process (no engine-core subprocess inside a Ray worker)
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # actors share the machine's cores: don't let each engine pin all of them
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class RolloutWorker:
+    """Plain class; the orchestrator wraps it with ``ray.remote`` and names it ``rollout-i``."""
+
+    def __init__(self, model_path: str, dtype: str, max_model_len: int, kv_cache_gib: float, seed: int,
+                 gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1, max_num_seqs: int = 256):
+        for key, value in CPU_ENV.items():
+            os.environ.setdefault(key, value)
+        from vllm import LLM
+
+        kwargs = dict(
+            model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=True,
+            tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
+            worker_extension_cls="workers.vllm_ext.WeightSyncExtension", enable_prefix_caching=True,
+        )
+        if _on_cpu():
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        else:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        self.llm = LLM(**kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.policy_version = 0
+        self.generated_tokens = 0
+
+    def generate(self, prompts: list[tuple[str, str, dict]], group_size: int, max_new_tokens: int,
+                 temperature: float, top_p: float, seed: int | None) -> list[Sample]:
+        """``prompts`` are (uid, text, metadata). Returns ``len(prompts) * group_size`` samples, grouped by prompt.
+        ``temperature == 0`` is greedy. Each sample gets its own seed derived from ``seed`` so results do not
+        depend on how prompts are spread over workers."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        requests, params = [], []
+        for uid, text, _ in prompts:
+            ids = self.tokenizer(text)["input_ids"]
+            for j in range(group_size):
+                requests.append(TokensPrompt(prompt_token_ids=ids))
+                params.append(SamplingParams(
+                    n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
+                    seed=None if seed is None else _sample_seed(seed, uid, j),
+                ))
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        samples = []
+        for k, out in enumerate(outputs):
+            uid, text, meta = prompts[k // group_size]
+            comp = out.outputs[0]
+            token_ids = list(comp.token_ids)
+            logprobs = [lp[t].logprob for lp, t in zip(comp.logprobs, token_ids)]
+            samples.append(Sample(
+                prompt_uid=uid, sample_index=k % group_size, prompt_text=text, prompt_ids=list(out.prompt_token_ids),
+                completion_ids=token_ids, logprobs=logprobs, completion_text=comp.text,
+                finish_reason=comp.finish_reason or "length", policy_version=self.policy_version, metadata=meta,
+            ))
+            self.generated_tokens += len(token_ids)
+        return samples
+
+    def load_weights(self, bucket_refs: list, version: int) -> dict:
+        """Reload the engine in place from buckets (ObjectRefs of lists of (name, tensor)), fetched one at a time."""
+        import ray
+
+        t0 = time.perf_counter()
+
+        def stream() -> Iterator:
+            for ref in bucket_refs:
+                yield from ray.get(ref)
+
+        loaded = self.llm.collective_rpc("fleetrl_reload_weights", args=(stream(),))
+        self.llm.reset_prefix_cache()
+        self.policy_version = version
+        return {"tensors": loaded[0], "seconds": time.perf_counter() - t0, "version": version}
+
+    def stats(self) -> dict:
+        return {"policy_version": self.policy_version, "generated_tokens": self.generated_tokens, "pid": os.getpid()}
+
+
+def _sample_seed(seed: int, uid: str, j: int) -> int:
+    import zlib
+
+    return (seed * 1_000_003 + zlib.crc32(f"{uid}/{j}".encode())) % (2**31 - 1)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
