@@ -42,6 +42,8 @@ class DataConfig(Section):
     """Distinct prompts per training step; each gets `rollout.group_size` samples."""
     eval_size: int = Field(200, ge=1, le=100000)
     """Number of held-out prompts scored greedily at each eval."""
+    max_prompt_tokens: int = Field(512, ge=1)
+    """Prompts longer than this many tokens are rejected (the engine context is this plus max_new_tokens)."""
     max_operand: int = Field(99, ge=1, le=10**6)
     """Arithmetic task: operands are drawn from [0, max_operand]."""
     seed: int = 0

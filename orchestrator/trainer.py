@@ -41,7 +41,7 @@ class Trainer:
         (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
         (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         self.metrics = MetricsLogger(self.run_dir, self.cfg.run.plot_every)
-        max_len = 64 + self.cfg.rollout.max_new_tokens
+        max_len = _max_model_len(self.cfg)
         t0 = time.perf_counter()
         self.learner = LearnerGroup(self.cfg)
         self.rollouts = RolloutPool(self.cfg, max_model_len=max_len)
@@ -153,6 +153,14 @@ def run_training(cfg: FleetConfig) -> list[dict]:
         else:
             ray.init(num_cpus=max(os.cpu_count() or 1, _cpus_needed(cfg)), include_dashboard=False)
     return Trainer(cfg).run()
+
+
+def _max_model_len(cfg: FleetConfig) -> int:
+    """Engine context: the prompt limit plus the completion cap, within the model's position range."""
+    import json
+
+    hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
+    return min(int(hf.get("max_position_embeddings", 1 << 30)), cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
 
 
 def _cpus_needed(cfg: FleetConfig) -> int:

@@ -55,6 +55,9 @@ def answers_equal(given: str, reference: str) -> bool:
     """Mathematical equivalence through math-verify (so 1/2, 0.5 and \\frac{1}{2} agree)."""
     if given.strip() == reference.strip():
         return True
+    a, b = _plain_number(given), _plain_number(reference)
+    if a is not None and b is not None:  # fast path: two plain decimals
+        return a == b
     from math_verify import parse, verify
 
     def wrap(s: str):
@@ -62,6 +65,18 @@ def answers_equal(given: str, reference: str) -> bool:
 
     gold, pred = wrap(reference), wrap(given)
     return bool(gold and pred and verify(gold, pred, timeout_seconds=None))
+
+
+def _plain_number(s: str):
+    from decimal import Decimal, InvalidOperation
+
+    s = s.strip()
+    if not re.fullmatch(r"-?\d+(\.\d+)?", s):
+        return None
+    try:
+        return Decimal(s)
+    except InvalidOperation:
+        return None
 
 
 @register_reward("math")

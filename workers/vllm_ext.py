@@ -24,4 +24,30 @@ class WeightSyncExtension:
                 yield name, tensor
 
         self.reload_weights(weights_iterator=counted())
+        self._fleetrl_retie_embeddings()
         return count
+
+    def _fleetrl_retie_embeddings(self) -> None:
+        """With tied input/output embeddings the checkpoint has no ``lm_head.weight``, and the layer-wise reload
+        puts the *old* head tensors back (logging "ParallelLMHead: Failed to load weights"), including the CPU
+        backend's prepacked GEMM weight. Copy the freshly loaded embedding into the head and redo the head's
+        post-load processing (the CPU prepack) so the output layer matches the learner."""
+        model = self.model_runner.get_model()
+        hf_config = getattr(model, "config", None)
+        head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)
+        embed = getattr(inner, "embed_tokens", None)
+        if getattr(hf_config, "tie_word_embeddings", False) and head is not None and embed is not None:
+            if head.weight.data_ptr() != embed.weight.data_ptr():
+                head.weight.data.copy_(embed.weight.data)
+            method = getattr(head, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(head)
+
+    def fleetrl_param_checksum(self) -> float:
+        """Sum of all parameters (tests compare it with the learner's)."""
+        model = self.model_runner.get_model()
+        return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+    def fleetrl_param_sums(self) -> dict:
+        model = self.model_runner.get_model()
+        return {n: float(p.detach().double().sum()) for n, p in model.named_parameters()}
