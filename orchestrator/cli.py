@@ -16,13 +16,13 @@ def _parser() -> argparse.ArgumentParser:
     for name, help_ in (("train", "run RL training"), ("config", "show the resolved config")):
         sp = sub.add_parser(name, help=help_)
         if name == "config":
-            sp.add_argument("action", choices=["show"])
+            sp.add_argument("action", choices=["show", "docs"], help="show: resolved YAML; docs: reference table")
         sp.add_argument("-c", "--config", help="YAML config file")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=8")
     im = sub.add_parser("init-model", help="build the embedded default model (tiny Qwen2 + char tokenizer)")
     im.add_argument("--out", default=EMBEDDED_MODEL_PATH)
     im.add_argument("--seed", type=int, default=0)
-    im.add_argument("--target-accuracy", type=float, default=0.25)
+    im.add_argument("--target-accuracy", type=float, default=0.2, help="stop the warm start at this accuracy")
     im.add_argument("--force", action="store_true", help="rebuild even if it exists")
     return p
 
@@ -53,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{args.out} exists (use --force to rebuild)")
                 return 0
             print(init_model(args.out, seed=args.seed, target_accuracy=args.target_accuracy))
+            return 0
+        if args.command == "config" and args.action == "docs":
+            from orchestrator.config import config_reference_markdown
+
+            print(config_reference_markdown(), end="")
             return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "config":

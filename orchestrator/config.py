@@ -40,7 +40,7 @@ class DataConfig(Section):
     """Built-in prompt generator."""
     prompts_per_step: int = Field(16, ge=1, le=4096)
     """Distinct prompts per training step; each gets `rollout.group_size` samples."""
-    eval_size: int = Field(200, ge=1, le=100000)
+    eval_size: int = Field(400, ge=1, le=100000)
     """Number of held-out prompts scored greedily at each eval."""
     max_prompt_tokens: int = Field(512, ge=1)
     """Prompts longer than this many tokens are rejected (the engine context is this plus max_new_tokens)."""
@@ -164,13 +164,13 @@ class LearnerConfig(Section):
     """Learner ranks (`learner-i` actors) forming one torch.distributed group."""
     zero_stage: int = Field(2, ge=0, le=3)
     """DeepSpeed ZeRO stage."""
-    lr: float = Field(3e-4, gt=0.0, le=1.0)
+    lr: float = Field(3e-5, gt=0.0, le=1.0)
     """AdamW learning rate (constant after warmup)."""
     warmup_steps: int = Field(0, ge=0)
     """Linear LR warmup, in optimizer steps."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.99)
+    betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
     grad_clip: float = Field(1.0, ge=0.0)
     """Global gradient-norm clip (0 disables)."""
@@ -191,9 +191,9 @@ class LearnerConfig(Section):
 
 
 class TrainerConfig(Section):
-    total_steps: int = Field(120, ge=0)
+    total_steps: int = Field(200, ge=0)
     """Training steps to run."""
-    eval_every: int = Field(10, ge=0)
+    eval_every: int = Field(25, ge=0)
     """Run a held-out eval every this many steps (and at step 0 and the last step); 0 disables evals."""
     seed: int = 0
     """Seed of the learner (torch) and driver RNGs."""
@@ -334,3 +334,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def dump_config(cfg: FleetConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def _type_name(ann) -> str:
+    import typing
+
+    if typing.get_origin(ann) is Literal:
+        return " / ".join(f"`{a}`" for a in typing.get_args(ann))
+    return getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
+
+
+def config_reference_markdown() -> str:
+    """The config reference as a Markdown table, generated from the models (the README embeds it)."""
+    rows = ["| key | type | default | description |", "|---|---|---|---|"]
+
+    def walk(cls: type[BaseModel], prefix: str) -> None:
+        for name, field in cls.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+                continue
+            default = field.get_default(call_default_factory=True)
+            if isinstance(default, list):
+                default = [d.model_dump() if isinstance(d, BaseModel) else d for d in default]
+            typ = _type_name(ann)
+            desc = " ".join((field.description or "").split()).replace("|", "\\|")
+            rows.append(f"| `{prefix}{name}` | {typ.replace('|', 'or')} | `{default!r}` | {desc} |")
+
+    for section, field in FleetConfig.model_fields.items():
+        if section == "algorithm":
+            for member in (GRPOConfig, DrGRPOConfig, RLOOConfig):
+                rows.append(f"| **`algorithm` (name: `{member.model_fields['name'].default}`)** | | | "
+                            f"{' '.join((member.__doc__ or '').split())} |")
+                walk(member, "algorithm.")
+        else:
+            walk(field.annotation, f"{section}.")
+    return "\n".join(rows) + "\n"

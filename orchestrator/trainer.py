@@ -85,8 +85,9 @@ class Trainer:
         with timer("learn"):
             train_metrics = self.learner.train(batch)
         with timer("sync"):
-            self.push_weights()
-        return {**self._rollout_metrics(scored, batch, reward_errors), **_rename(train_metrics), **timer.metrics()}
+            sync_metrics = self.push_weights()
+        return {**self._rollout_metrics(scored, batch, reward_errors), **_rename(train_metrics), **sync_metrics,
+                **timer.metrics()}
 
     def advantages(self, scored: list[ScoredSample], batch: TrainBatch) -> torch.Tensor:
         """Per-token advantages from the configured estimator (the only algorithm-specific step)."""
@@ -95,10 +96,15 @@ class Trainer:
         groups = _group_ids(scored)
         return get_estimator(algo.name)(rewards, groups, batch.response_mask, **algo.advantage_kwargs())
 
-    def push_weights(self) -> None:
+    def push_weights(self) -> dict:
         """Learner -> every rollout engine, in place; the policy version advances."""
         self.version += 1
-        self.rollouts.load_weights(self.learner.weight_buckets(), self.version)
+        t0 = time.perf_counter()
+        buckets = self.learner.weight_buckets()
+        t1 = time.perf_counter()
+        loads = self.rollouts.load_weights(buckets, self.version)
+        return {"weight_sync/gather_s": t1 - t0, "weight_sync/load_s": time.perf_counter() - t1,
+                "weight_sync/engine_reload_s": max(x["seconds"] for x in loads), "weight_sync/buckets": len(buckets)}
 
     def evaluate(self) -> dict:
         """Greedy held-out accuracy through the rollout engines."""

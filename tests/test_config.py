@@ -1,0 +1,85 @@
+"""Config: one pydantic tree, YAML + dotted overrides, errors that name the key and what is allowed."""
+
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.config import ConfigError, FleetConfig, GRPOConfig, RLOOConfig, load_config
+
+
+def test_defaults_are_the_embedded_default_and_documented():
+    cfg = load_config()
+    assert cfg.rollout.num_workers >= 2 and cfg.learner.num_ranks == 2 and cfg.reward.num_workers == 1
+    assert isinstance(cfg.algorithm, GRPOConfig)
+    for section in FleetConfig.model_fields.values():
+        cls = section.annotation
+        for name, field in getattr(cls, "model_fields", {}).items():
+            assert field.description, f"{cls.__name__}.{name} has no docstring"
+
+
+def test_yaml_and_overrides(tmp_path):
+    f = tmp_path / "cfg.yaml"
+    f.write_text("rollout:\n  group_size: 4\ntrainer:\n  total_steps: 7\n")
+    cfg = load_config(f, ["rollout.group_size=8", "trainer.total_steps=20", "algorithm.name=rloo",
+                          "run.dir=/tmp/x", "model.path=/models/m"])
+    assert cfg.rollout.group_size == 8 and cfg.trainer.total_steps == 20 and cfg.run.dir == "/tmp/x"
+    assert isinstance(cfg.algorithm, RLOOConfig) and cfg.model.path == "/models/m"
+    for key in ("trainer.total_steps", "data.prompts_per_step", "rollout.num_workers", "rollout.group_size",
+                "rollout.max_new_tokens", "reward.num_workers", "learner.num_ranks", "learner.zero_stage",
+                "algorithm.name", "run.dir", "model.path", "trainer.eval_every"):
+        section, name = key.split(".")
+        assert hasattr(getattr(cfg, section), name)
+
+
+def test_unknown_key_names_key_and_allowed(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["rollout.group_sise=8"])
+    msg = str(e.value)
+    assert "rollout.group_sise" in msg and "unknown key" in msg and "group_size" in msg
+
+
+def test_out_of_range_and_wrong_type():
+    with pytest.raises(ConfigError, match=r"learner\.zero_stage.*less than or equal to 3.*got 5"):
+        load_config(None, ["learner.zero_stage=5"])
+    with pytest.raises(ConfigError, match=r"rollout\.group_size.*integer"):
+        load_config(None, ["rollout.group_size=lots"])
+
+
+def test_unknown_algorithm_lists_valid_names():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["algorithm.name=ppo2"])
+    assert "grpo" in str(e.value) and "rloo" in str(e.value)
+
+
+def test_algorithm_fields_belong_to_their_algorithm():
+    with pytest.raises(ConfigError, match="scale_by_std"):
+        load_config(None, ["algorithm.name=rloo", "algorithm.scale_by_std=false"])
+
+
+def test_batch_split_cross_check_explains_itself():
+    with pytest.raises(ConfigError, match="learner.num_ranks"):
+        load_config(None, ["data.prompts_per_step=3", "rollout.group_size=3", "learner.num_ranks=2"])
+
+
+def test_yaml_file_errors_name_the_file(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("rollout: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        load_config(f)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_cli_bad_config_exits_2_without_starting_anything():
+    r = subprocess.run([sys.executable, "-m", "orchestrator", "train", "rollout.group_size=0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "rollout.group_size" in r.stderr and "greater than or equal to 1" in r.stderr
+    assert "ray" not in r.stdout.lower()
+
+
+def test_cli_config_show_prints_resolved_config():
+    r = subprocess.run([sys.executable, "-m", "orchestrator", "config", "show", "rollout.group_size=4"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "group_size: 4" in r.stdout

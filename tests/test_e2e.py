@@ -1,0 +1,68 @@
+"""End to end on a real local Ray cluster: 2 vLLM rollout actors, 1 reward actor, 2 DeepSpeed learner ranks
+(ZeRO-2), the real `fleetrl train` entry point. No mocks. Checks that weights really reached the engines, that
+the metrics file is complete, and that the final policy loads in transformers with the learner's logprobs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRED = ["step", "policy_version", "reward/mean", "reward/std", "train/accuracy", "loss", "kl", "clip_frac",
+            "entropy", "tokens_generated", "time/generate_s", "time/reward_s", "time/learn_s", "time/sync_s",
+            "time/step_s", "weight_sync/logprob_max_diff"]
+
+
+def run_fleetrl(run_dir: Path, *overrides: str, timeout: int = 600) -> list[dict]:
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1")
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "orchestrator", "train", f"run.dir={run_dir}", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.e2e
+def test_grpo_three_steps_real_stack(tmp_path):
+    run_dir = tmp_path / "run"
+    rows = run_fleetrl(run_dir, "trainer.total_steps=3", "trainer.eval_every=3", "rollout.num_workers=2",
+                       "reward.num_workers=1", "learner.num_ranks=2", "learner.zero_stage=2", "data.eval_size=32",
+                       "learner.lr=1e-3")
+    train_rows = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["policy_version"] for r in rows] == [0, 1, 2, 3]
+    for r in train_rows:
+        missing = [k for k in REQUIRED if k not in r]
+        assert not missing, missing
+        # the learner's logprobs of the sampled tokens equal the engine's: the pushed weights arrived
+        assert r["weight_sync/logprob_max_diff"] < 1e-3, r["weight_sync/logprob_max_diff"]
+        assert r["rollout/policy_version_min"] == r["policy_version"]
+        assert r["tokens_generated"] > 0 and r["time/step_s"] > 0
+        assert all(abs(r[k]) < 1e6 for k in ("loss", "kl", "entropy"))
+    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
+    # the policy moved away from the reference after the first update (so weights really changed)
+    assert train_rows[0]["kl"] == pytest.approx(0.0, abs=1e-6) and train_rows[-1]["kl"] > 1e-5
+    assert (run_dir / "config.yaml").exists() and (run_dir / "progress.png").stat().st_size > 1000
+    assert any((run_dir / "tensorboard").iterdir())
+    _check_final_policy(run_dir / "final")
+
+
+def _check_final_policy(final: Path):
+    """The exported policy loads in transformers and differs from the base model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from orchestrator.config import EMBEDDED_MODEL_PATH
+
+    tok = AutoTokenizer.from_pretrained(final)
+    model = AutoModelForCausalLM.from_pretrained(final).eval()
+    base = AutoModelForCausalLM.from_pretrained(ROOT / EMBEDDED_MODEL_PATH).eval()
+    ids = tok(["12+30="], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        a, b = model(ids).logits, base(ids).logits
+    assert torch.isfinite(a).all() and not torch.allclose(a, b)
+    assert tok.decode(tok("45+9=")["input_ids"]) == "45+9="
