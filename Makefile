@@ -7,7 +7,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup train test lint model clean
+.PHONY: setup train test lint model docs clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,9 @@ lint: setup
 
 test: setup lint
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+
+docs: setup
+	$(PY) -m tests.test_docs
 
 clean:
 	rm -rf runs .fleetrl

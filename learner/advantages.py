@@ -11,7 +11,7 @@ Imports only torch.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -181,6 +181,6 @@ def conditioned_rewards(components: Tensor, rules: list[tuple[int, int, float]])
     reward l >= threshold; otherwise it is set to 0. ``components`` ``[B, K]``; returns a new ``[B, K]``.
     Rules see the unconditioned values (they do not chain)."""
     out = components.clone()
-    for k, l, threshold in rules:
-        out[:, k] = torch.where(components[:, l] >= threshold, components[:, k], torch.zeros_like(out[:, k]))
+    for k, cond, threshold in rules:
+        out[:, k] = torch.where(components[:, cond] >= threshold, components[:, k], torch.zeros_like(out[:, k]))
     return out

@@ -39,19 +39,19 @@ class TrainBatch:
     def response_ids(self) -> Tensor:
         return self.input_ids[:, self.prompt_len:]
 
-    def select(self, rows: slice | Tensor) -> "TrainBatch":
+    def select(self, rows: slice | Tensor) -> TrainBatch:
         """Rows of every per-sequence and per-token tensor; scalars and ``scale`` unchanged."""
         changes = {f.name: getattr(self, f.name)[rows] for f in fields(self)
                    if isinstance(getattr(self, f.name), Tensor)}
         return replace(self, **changes)
 
-    def with_scale(self) -> "TrainBatch":
+    def with_scale(self) -> TrainBatch:
         """This batch as a whole minibatch: its own global counts."""
         scale = LossScale(num_seqs=self.size, num_tokens=int(self.response_mask.sum()),
                           max_len=self.response_mask.shape[1])
         return replace(self, scale=scale)
 
-    def shards(self, n: int) -> list["TrainBatch"]:
+    def shards(self, n: int) -> list[TrainBatch]:
         """Split rows into ``n`` equal contiguous shards that keep this batch's global ``scale``."""
         if self.size % n:
             raise ValueError(f"batch of {self.size} sequences does not split into {n} equal shards")

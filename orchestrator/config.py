@@ -223,7 +223,7 @@ class FleetConfig(Section):
     run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
-    def _check_batch_split(self) -> "FleetConfig":
+    def _check_batch_split(self) -> FleetConfig:
         seqs = self.data.prompts_per_step * self.rollout.group_size
         per_rank, rem = divmod(seqs, self.learner.num_ranks * self.learner.num_minibatches)
         if rem:

@@ -84,6 +84,8 @@ class MetricsLogger:
 
 def progress_line(m: dict) -> str:
     ev = f" eval {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
+    if "reward/mean" not in m:
+        return f"step {m['step']:>4} v{m['policy_version']}{ev} (eval only)"
     return (f"step {m['step']:>4} v{m['policy_version']} reward {m.get('reward/mean', float('nan')):.3f}"
             f" acc {m.get('train/accuracy', float('nan')):.3f}{ev} loss {m.get('loss', float('nan')):+.4f}"
             f" kl {m.get('kl', float('nan')):.4f} sync_diff {m.get('weight_sync/logprob_max_diff', float('nan')):.1e}"

@@ -4,7 +4,6 @@ the group and gathered back (the role of verl's dispatch modes, written out as o
 from __future__ import annotations
 
 import socket
-import time
 
 import ray
 from ray.util.placement_group import placement_group
@@ -160,12 +159,3 @@ class LearnerGroup:
 
     def save_hf(self, out_dir: str) -> None:
         ray.get([w.save_hf.remote(out_dir) for w in self.ranks])
-
-
-def wait_for(refs, what: str, timeout: float):
-    """ray.get with a timeout that names what was being waited for."""
-    start = time.time()
-    try:
-        return ray.get(refs, timeout=timeout)
-    except ray.exceptions.GetTimeoutError:
-        raise TimeoutError(f"{what} did not finish within {timeout:.0f}s (waited {time.time() - start:.0f}s)")

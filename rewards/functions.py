@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import re
-from typing import Callable
+from collections.abc import Callable
 
 RewardFn = Callable[[str, str, dict], "float | dict[str, float]"]
 REWARD_FUNCTIONS: dict[str, RewardFn] = {}

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import traceback
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from rewards.functions import load_reward_function

@@ -80,8 +80,9 @@ def test_group_estimators_match_loops_on_random_batches(seed):
     rewards = torch.randn(40, generator=g, dtype=torch.float64)
     mask = torch.ones(40, 2, dtype=torch.float64)
     r, gr = rewards.tolist(), groups.tolist()
-    assert torch.allclose(compute_grpo(rewards, groups, mask)[:, 0], torch.tensor(_grpo_loop(r, gr), dtype=torch.float64))
-    assert torch.allclose(compute_rloo(rewards, groups, mask)[:, 0], torch.tensor(_rloo_loop(r, gr), dtype=torch.float64))
+    f64 = torch.float64
+    assert torch.allclose(compute_grpo(rewards, groups, mask)[:, 0], torch.tensor(_grpo_loop(r, gr), dtype=f64))
+    assert torch.allclose(compute_rloo(rewards, groups, mask)[:, 0], torch.tensor(_rloo_loop(r, gr), dtype=f64))
 
 
 def test_rloo_leave_one_out():

@@ -7,7 +7,7 @@ The name is prefixed because the CPU worker already has a method named ``update_
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
