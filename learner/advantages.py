@@ -12,27 +12,39 @@ Imports only torch.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
+from learner.registry import Registry
 
-
-def register_estimator(name: str):
-    def deco(fn: Callable) -> Callable:
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
+register_estimator = ADVANTAGE_ESTIMATORS.register
 
 
 def get_estimator(name: str) -> Callable:
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise KeyError(f"unknown advantage estimator {name!r}; valid: {sorted(ADVANTAGE_ESTIMATORS)}")
-    return ADVANTAGE_ESTIMATORS[name]
+    return ADVANTAGE_ESTIMATORS.get_or_raise(name)
+
+
+@dataclass
+class AdvantageInputs:
+    """What the driver knows about a scored batch; each algorithm config picks what its estimator needs."""
+
+    rewards: Tensor  # [B] summed (weighted) outcome reward
+    components: Tensor  # [B, K] the named reward components, in `component_names` order
+    component_names: list[str]
+    group_ids: Tensor  # [B] one id per prompt
+    mask: Tensor  # [B, T] response tokens
+    values: Tensor | None = None  # [B, T] critic values (critic methods)
+    old_logprobs: Tensor | None = None  # [B, T] policy logprobs before the update
+    ref_logprobs: Tensor | None = None  # [B, T] reference logprobs
+
+    def outcome_token_rewards(self) -> Tensor:
+        """``[B, T]``: the outcome reward on each sequence's last valid token, 0 elsewhere."""
+        m = self.mask.to(self.rewards.dtype)
+        last = (m.cumsum(-1) == m.sum(-1, keepdim=True)) & (m > 0)
+        return self.rewards[:, None] * last.to(self.rewards.dtype)
 
 
 def _group_stats(values: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -12,26 +12,19 @@ Imports only torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-LOSSES: dict[str, Callable] = {}
+from learner.registry import Registry
+
+LOSSES = Registry("loss")
+register_loss = LOSSES.register
 KLKind = Literal["k1", "k2", "k3"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 
-
-def register_loss(name: str):
-    def deco(fn: Callable) -> Callable:
-        if name in LOSSES:
-            raise ValueError(f"loss {name!r} is already registered")
-        LOSSES[name] = fn
-        return fn
-
-    return deco
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,10 @@ class LearnerWorker:
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
                  dtype: str, ds_config: dict, loss_kwargs: dict, temperature: float, seed: int, torch_threads: int,
-                 gradient_checkpointing: bool = False):
+                 gradient_checkpointing: bool = False, role: str = "actor"):
+        """``role="actor"``: causal LM policy + frozen reference, trained with ``policy_loss(**loss_kwargs)``.
+        ``role="critic"``: the same architecture with a scalar head (initialized from the policy weights, head
+        fresh), trained with ``value_loss(**loss_kwargs)``."""
         import torch
 
         torch.set_num_threads(torch_threads)
@@ -34,17 +37,22 @@ class LearnerWorker:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         _set_dist_env(rank, world_size, master_addr, master_port)
         import deepspeed
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
         self.rank, self.world_size = rank, world_size
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         torch_dtype = getattr(torch, dtype)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+        self.role = role
+        if role == "critic":
+            model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch_dtype)
+            self.ref = None
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+            self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
+            self.ref.requires_grad_(False)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
-        self.ref.requires_grad_(False)
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
         self.loss_kwargs = loss_kwargs
         self.temperature = temperature
@@ -57,6 +65,22 @@ class LearnerWorker:
         attn = mb.attention_mask.to(self.device)
         logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn)).logits
         return response_logprobs(logits, _to(mb, self.device), self.temperature)
+
+    def _values(self, model, mb: TrainBatch):
+        """Critic values ``[b, T]``: V at the state before each response token (same positions as the logits
+        that predict it)."""
+        ids = mb.input_ids.to(self.device)
+        attn = mb.attention_mask.to(self.device)
+        out = model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn)).logits[..., 0].float()
+        return out[:, mb.prompt_len - 1: -1] * mb.response_mask.to(self.device)
+
+    def compute_values(self, shard: TrainBatch, micro_batch_size: int):
+        """Critic values of the shard's response positions, ``[b, T]``."""
+        import torch
+
+        with torch.no_grad():
+            return torch.cat([self._values(self.engine.module, mb).cpu()
+                              for mb in _micro_batches(shard, micro_batch_size)])
 
     def compute_logprobs(self, shard: TrainBatch, micro_batch_size: int) -> dict:
         """Policy (before the update) and reference logprobs of the shard's response tokens, ``[b, T]`` each."""
@@ -73,33 +97,42 @@ class LearnerWorker:
     def train(self, minibatches: list[TrainBatch], epochs: int, micro_batch_size: int) -> dict:
         """One optimizer step per minibatch shard and epoch. Returns metrics summed over this rank's
         micro-batches (additive shares: the group sums them over ranks) and averaged over optimizer steps."""
-        from learner.losses import policy_loss
-
         t0 = time.perf_counter()
+        loss_fn = self._critic_loss if self.role == "critic" else self._actor_loss
         sums: dict[str, float] = defaultdict(float)
         n_steps = 0
         for _ in range(epochs):
             for shard in minibatches:
                 for mb in _micro_batches(shard, micro_batch_size):
-                    logp, entropy = self._forward(self.engine, mb)
-                    mb = _to(mb, self.device)
-                    loss, metrics = policy_loss(
-                        logp, mb.old_logprobs, mb.advantages, mb.response_mask, mb.scale,
-                        ref_logp=mb.ref_logprobs, entropy=entropy, rollout_logp=mb.rollout_logprobs,
-                        **self.loss_kwargs,
-                    )
+                    loss, metrics = loss_fn(mb)
                     # loss is this micro-batch's share of the minibatch loss; DeepSpeed averages gradients
                     # over ranks, so undo that division to keep the sum (split invariance).
                     self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
                     self.engine.step()
                     for k, v in metrics.items():
                         sums[k] += float(v)
-                sums["actor/grad_norm"] += float(self.engine.get_global_grad_norm() or 0.0) / self.world_size
+                sums[f"{self.role}/grad_norm"] += float(self.engine.get_global_grad_norm() or 0.0) / self.world_size
                 n_steps += 1
         out = {k: v / n_steps for k, v in sums.items()}
-        out["actor/lr"] = self.engine.get_lr()[0] / self.world_size
-        out["time/learner_compute_s"] = (time.perf_counter() - t0) / self.world_size
+        out[f"{self.role}/lr"] = self.engine.get_lr()[0] / self.world_size
+        out[f"time/{self.role}_compute_s"] = (time.perf_counter() - t0) / self.world_size
         return out
+
+    def _actor_loss(self, mb: TrainBatch):
+        from learner.losses import policy_loss
+
+        logp, entropy = self._forward(self.engine, mb)
+        mb = _to(mb, self.device)
+        return policy_loss(logp, mb.old_logprobs, mb.advantages, mb.response_mask, mb.scale,
+                           ref_logp=mb.ref_logprobs, entropy=entropy, rollout_logp=mb.rollout_logprobs,
+                           **self.loss_kwargs)
+
+    def _critic_loss(self, mb: TrainBatch):
+        from learner.losses import value_loss
+
+        values = self._values(self.engine, mb)
+        mb = _to(mb, self.device)
+        return value_loss(values, mb.old_values, mb.returns, mb.response_mask, mb.scale, **self.loss_kwargs)
 
     # ---- weights out ----------------------------------------------------------------------------------
     def _gathered_chunks(self, bucket_mb: float):
@@ -128,10 +161,12 @@ class LearnerWorker:
         return [(n, p.detach().cpu()) for n, p in chunk] if self.rank == 0 else []
 
     def weight_buckets(self, bucket_mb: float) -> list:
-        """Put the current weights into Ray's object store in buckets; rank 0 returns the ObjectRefs."""
+        """Put the current weights into Ray's object store as packed buckets; rank 0 returns the ObjectRefs."""
         import ray
 
-        refs = [ray.put(chunk) for chunk in self._gathered_chunks(bucket_mb)]
+        from workers.weight_buckets import pack
+
+        refs = [ray.put(pack(chunk)) for chunk in self._gathered_chunks(bucket_mb) if chunk]
         return refs if self.rank == 0 else []
 
     def save_hf(self, out_dir: str) -> str | None:

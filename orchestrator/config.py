@@ -11,10 +11,14 @@ Load a YAML file and apply dotted overrides with :func:`load_config`; errors com
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from torch import Tensor
+
+from learner.advantages import AdvantageInputs, conditioned_rewards, get_estimator
+from learner.losses import kl_estimate
 
 EMBEDDED_MODEL_PATH = ".fleetrl/models/arith-base"
 
@@ -82,6 +86,8 @@ class RewardFunctionSpec(Section):
     """A built-in reward (see rewards.REWARD_FUNCTIONS) or an import path `pkg.module:function`."""
     weight: float = 1.0
     """Weight of this function's value in the summed reward."""
+    params: dict[str, float | int | str | bool] = Field(default_factory=dict)
+    """Keyword arguments bound to the function (e.g. `{max_len: 64}` for `length`)."""
 
 
 class RewardConfig(Section):
@@ -126,9 +132,11 @@ class LossConfig(Section):
                 "entropy_coef", "tis_cap")
         return {k: getattr(self, k) for k in keys}
 
-    def advantage_kwargs(self) -> dict:
-        """Keyword arguments of this algorithm's estimator beyond (rewards, group_ids, mask)."""
-        return {}
+    uses_critic: ClassVar[bool] = False
+
+    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
+        """Per-token ``(advantages, returns)``, each ``[B, T]`` (returns only for critic methods)."""
+        raise NotImplementedError
 
 
 class GRPOConfig(LossConfig):
@@ -140,8 +148,8 @@ class GRPOConfig(LossConfig):
     eps: float = Field(1e-6, gt=0.0)
     """Added to the std in the denominator."""
 
-    def advantage_kwargs(self) -> dict:
-        return {"scale_by_std": self.scale_by_std, "eps": self.eps}
+    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
+        return get_estimator("grpo")(x.rewards, x.group_ids, x.mask, scale_by_std=self.scale_by_std, eps=self.eps), None
 
 
 class DrGRPOConfig(LossConfig):
@@ -149,14 +157,108 @@ class DrGRPOConfig(LossConfig):
 
     name: Literal["dr_grpo"] = "dr_grpo"
 
+    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
+        return get_estimator("dr_grpo")(x.rewards, x.group_ids, x.mask), None
+
 
 class RLOOConfig(LossConfig):
     """RLOO: reward minus the mean reward of the other members of the group."""
 
     name: Literal["rloo"] = "rloo"
 
+    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
+        return get_estimator("rloo")(x.rewards, x.group_ids, x.mask), None
 
-AlgorithmConfig = Annotated[Union[GRPOConfig, DrGRPOConfig, RLOOConfig], Field(discriminator="name")]
+
+class ReinforcePPConfig(LossConfig):
+    """REINFORCE++: discounted return-to-go of the outcome reward (on the last token), whitened over the batch."""
+
+    name: Literal["reinforce_pp"] = "reinforce_pp"
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """Discount of the return-to-go."""
+
+    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
+        return get_estimator("reinforce_pp")(x.outcome_token_rewards(), x.mask, gamma=self.gamma)[0], None
+
+
+class ReinforcePPBaselineConfig(LossConfig):
+    """REINFORCE++-baseline: group mean subtracted, then whitened over the batch."""
+
+    name: Literal["reinforce_pp_baseline"] = "reinforce_pp_baseline"
+
+    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
+        return get_estimator("reinforce_pp_baseline")(x.rewards, x.group_ids, x.mask), None
+
+
+class RewardCondition(Section):
+    reward: str
+    """Component that is conditioned (zeroed unless the condition holds)."""
+    if_reward: str
+    """Component the condition reads."""
+    threshold: float = 1.0
+    """`reward` counts only when `if_reward` >= threshold."""
+
+
+class GDPOConfig(LossConfig):
+    """GDPO: each reward component normalized within its group, weighted sum, then batch-normalized."""
+
+    name: Literal["gdpo"] = "gdpo"
+    weights: dict[str, float] | None = None
+    """Weight per component name (default 1 each)."""
+    conditions: list[RewardCondition] = Field(default_factory=list)
+    """Conditioned rewards (seed 000): a component counts only when another reaches a threshold."""
+    eps: float = Field(1e-6, gt=0.0)
+    """Added to the std in both normalizations."""
+
+    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
+        import torch
+
+        idx = {n: i for i, n in enumerate(x.component_names)}
+        for name in [c.reward for c in self.conditions] + [c.if_reward for c in self.conditions] + list(
+                self.weights or {}):
+            if name not in idx:
+                raise KeyError(f"algorithm (gdpo): unknown reward component {name!r}; have {x.component_names}")
+        rules = [(idx[c.reward], idx[c.if_reward], c.threshold) for c in self.conditions]
+        comps = conditioned_rewards(x.components, rules)
+        w = torch.tensor([(self.weights or {}).get(n, 1.0) for n in x.component_names], dtype=comps.dtype)
+        return get_estimator("gdpo")(comps, x.group_ids, x.mask, weights=w, eps=self.eps), None
+
+
+class PPOConfig(LossConfig):
+    """PPO with a learned critic (seeds 000/002): per-token rewards r_t - beta * KL_t with the outcome reward on the
+    last token, GAE advantages and returns, a clipped value loss for the critic (its own DeepSpeed group)."""
+
+    name: Literal["ppo"] = "ppo"
+    uses_critic: ClassVar[bool] = True
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """GAE discount."""
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    """GAE lambda."""
+    kl_reward_coef: float = Field(0.0, ge=0.0)
+    """beta of the per-token KL penalty folded into the reward (k1 estimator, PPO/InstructGPT style)."""
+    whiten_advantages: bool = True
+    """Whiten GAE advantages over the batch's valid tokens."""
+    value_clip: float | None = Field(0.2, gt=0.0)
+    """Clip range of the value loss around the old values (None disables)."""
+    critic_lr: float = Field(1e-4, gt=0.0, le=1.0)
+    """Critic AdamW learning rate."""
+
+    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
+        rewards = x.outcome_token_rewards()
+        if self.kl_reward_coef:
+            rewards = rewards - self.kl_reward_coef * kl_estimate(x.old_logprobs, x.ref_logprobs, "k1") * x.mask
+        return get_estimator("gae")(rewards, x.values, x.mask, self.gamma, self.lam, whiten=self.whiten_advantages)
+
+    def critic_loss_kwargs(self) -> dict:
+        return {"clip": self.value_clip, "aggregation": self.aggregation}
+
+
+ALGORITHMS = (GRPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, ReinforcePPBaselineConfig, GDPOConfig,
+              PPOConfig)
+AlgorithmConfig = Annotated[
+    Union[GRPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, ReinforcePPBaselineConfig, GDPOConfig, PPOConfig],
+    Field(discriminator="name"),
+]
 
 
 class LearnerConfig(Section):
@@ -282,7 +384,7 @@ def _section_for(path: tuple) -> type[BaseModel] | None:
 
 def _union_member(cls: type[BaseModel], part: str, path: tuple) -> type[BaseModel] | None:
     """Pydantic puts the union tag ('grpo') into the error location; map it back to the member class."""
-    for member in (GRPOConfig, DrGRPOConfig, RLOOConfig):
+    for member in ALGORITHMS:
         if member.model_fields["name"].default == part:
             return member
     return None
@@ -363,7 +465,7 @@ def config_reference_markdown() -> str:
 
     for section, field in FleetConfig.model_fields.items():
         if section == "algorithm":
-            for member in (GRPOConfig, DrGRPOConfig, RLOOConfig):
+            for member in ALGORITHMS:
                 rows.append(f"| **`algorithm` (name: `{member.model_fields['name'].default}`)** | | | "
                             f"{' '.join((member.__doc__ or '').split())} |")
                 walk(member, "algorithm.")

@@ -72,7 +72,7 @@ class RewardPool:
 
     def __init__(self, cfg: FleetConfig):
         rc = cfg.reward
-        specs = [(f.name, f.weight) for f in rc.functions]
+        specs = [(f.name, f.weight, f.params) for f in rc.functions]
         self.workers = [
             ray.remote(RewardWorker).options(name=f"reward-{i}", num_cpus=rc.num_cpus).remote(
                 specs, rc.timeout_s, rc.strict)
@@ -98,11 +98,16 @@ def _free_port() -> int:
 
 
 class LearnerGroup:
-    """The `learner-i` ranks: one torch.distributed group in one PACK placement group."""
+    """The `learner-i` ranks (or `critic-i` for the value model): one torch.distributed group in one PACK
+    placement group."""
 
-    def __init__(self, cfg: FleetConfig):
+    def __init__(self, cfg: FleetConfig, role: str = "actor"):
         lc = cfg.learner
         self.cfg = cfg
+        self.role = role
+        prefix = "critic" if role == "critic" else "learner"
+        lr = cfg.algorithm.critic_lr if role == "critic" else lc.lr
+        loss_kwargs = cfg.algorithm.critic_loss_kwargs() if role == "critic" else cfg.algorithm.loss_kwargs()
         self.world = lc.num_ranks
         self.pg = placement_group([{"CPU": lc.num_cpus, "GPU": lc.num_gpus} if lc.num_gpus else {"CPU": lc.num_cpus}
                                    for _ in range(self.world)], strategy="PACK")
@@ -112,15 +117,15 @@ class LearnerGroup:
         gas = cfg.micro_batches_per_rank()
         micro = (cfg.sequences_per_step // (self.world * lc.num_minibatches)) // gas
         self.micro_batch_size = micro
-        dsc = ds_config(micro, gas, self.world, lc.zero_stage, lc.lr, lc.betas, lc.weight_decay, lc.warmup_steps,
+        dsc = ds_config(micro, gas, self.world, lc.zero_stage, lr, lc.betas, lc.weight_decay, lc.warmup_steps,
                         lc.grad_clip, cfg.model.dtype)
         self.ranks = [
             ray.remote(LearnerWorker).options(
-                name=f"learner-{r}", num_cpus=lc.num_cpus, num_gpus=lc.num_gpus,
+                name=f"{prefix}-{r}", num_cpus=lc.num_cpus, num_gpus=lc.num_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
-            ).remote(r, self.world, master_addr, port, cfg.model.path, cfg.model.dtype, dsc,
-                     cfg.algorithm.loss_kwargs(), cfg.rollout.temperature, cfg.trainer.seed,
-                     cfg.trainer.torch_threads, lc.gradient_checkpointing)
+            ).remote(r, self.world, master_addr, port, cfg.model.path, cfg.model.dtype, dsc, loss_kwargs,
+                     cfg.rollout.temperature, cfg.trainer.seed, cfg.trainer.torch_threads, lc.gradient_checkpointing,
+                     role)
             for r in range(self.world)
         ]
         ray.get([w.ping.remote() for w in self.ranks])
@@ -142,15 +147,24 @@ class LearnerGroup:
         batch.ref_logprobs = torch.cat([o["ref_logprobs"] for o in outs])
         return batch
 
-    def train(self, batch: TrainBatch) -> dict:
-        """Split into minibatches (each its own loss scale), then each minibatch over ranks; sum the ranks'
-        additive metrics."""
+    def compute_values(self, batch: TrainBatch):
+        """Critic values ``[B, T]`` (rows split over ranks)."""
+        import torch
+
+        return torch.cat(ray.get([w.compute_values.remote(s, self.micro_batch_size)
+                                  for w, s in zip(self.ranks, batch.shards(self.world))]))
+
+    def train_async(self, batch: TrainBatch) -> list:
+        """Start training on the batch; returns the ranks' ObjectRefs (see :func:`gather_metrics`). Split into
+        minibatches (each its own loss scale), then each minibatch over ranks."""
         lc = self.cfg.learner
         minibatches = [mb.with_scale() for mb in batch.shards(lc.num_minibatches)]
         per_rank = list(zip(*[mb.shards(self.world) for mb in minibatches]))
-        outs = ray.get([w.train.remote(list(shards), lc.epochs, self.micro_batch_size)
-                        for w, shards in zip(self.ranks, per_rank)])
-        return {k: sum(o[k] for o in outs) for k in outs[0]}
+        return [w.train.remote(list(shards), lc.epochs, self.micro_batch_size)
+                for w, shards in zip(self.ranks, per_rank)]
+
+    def train(self, batch: TrainBatch) -> dict:
+        return gather_metrics(self.train_async(batch))
 
     def weight_buckets(self) -> list:
         """ObjectRefs of the current weights in buckets (every rank takes part in the ZeRO-3 gather)."""
@@ -159,3 +173,9 @@ class LearnerGroup:
 
     def save_hf(self, out_dir: str) -> None:
         ray.get([w.save_hf.remote(out_dir) for w in self.ranks])
+
+
+def gather_metrics(refs: list) -> dict:
+    """Sum the ranks' additive metric shares."""
+    outs = ray.get(refs)
+    return {k: sum(o[k] for o in outs) for k in outs[0]}

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
-from learner.advantages import get_estimator
+from learner.advantages import AdvantageInputs
 from learner.batch import TrainBatch, build_batch
 from orchestrator.config import FleetConfig, dump_config
 from orchestrator.metrics import MetricsLogger, PhaseTimer, progress_line
+from orchestrator.pools import gather_metrics
 from rewards.functions import math_reward
 from rewards.tasks import make_task
 from workers.records import ScoredSample
@@ -44,6 +45,7 @@ class Trainer:
         max_len = _max_model_len(self.cfg)
         t0 = time.perf_counter()
         self.learner = LearnerGroup(self.cfg)
+        self.critic = LearnerGroup(self.cfg, role="critic") if self.cfg.algorithm.uses_critic else None
         self.rollouts = RolloutPool(self.cfg, max_model_len=max_len)
         self.rewards = RewardPool(self.cfg)
         log.info("actors up in %.1fs: %d rollout, %d reward, %d learner ranks", time.perf_counter() - t0,
@@ -80,21 +82,33 @@ class Trainer:
             scored, reward_errors = self.rewards.score(samples)
         with timer("logprobs"):
             batch = self.learner.compute_logprobs(self._to_batch(scored))
+            if self.critic:
+                batch.old_values = self.critic.compute_values(batch)
         with timer("advantages"):
-            batch.advantages = self.advantages(scored, batch)
+            batch.advantages, batch.returns = self.advantages(scored, batch)
         with timer("learn"):
-            train_metrics = self.learner.train(batch)
+            train_metrics = self.learn(batch)
         with timer("sync"):
             sync_metrics = self.push_weights()
         return {**self._rollout_metrics(scored, batch, reward_errors), **_rename(train_metrics), **sync_metrics,
                 **timer.metrics()}
 
-    def advantages(self, scored: list[ScoredSample], batch: TrainBatch) -> torch.Tensor:
-        """Per-token advantages from the configured estimator (the only algorithm-specific step)."""
-        algo = self.cfg.algorithm
-        rewards = torch.tensor([s.reward for s in scored], dtype=torch.float32)
-        groups = _group_ids(scored)
-        return get_estimator(algo.name)(rewards, groups, batch.response_mask, **algo.advantage_kwargs())
+    def learn(self, batch: TrainBatch) -> dict:
+        """Actor update, and the critic's beside it (both groups run concurrently)."""
+        refs = self.learner.train_async(batch)
+        critic_refs = self.critic.train_async(batch) if self.critic else []
+        return {**gather_metrics(refs), **(gather_metrics(critic_refs) if critic_refs else {})}
+
+    def advantages(self, scored: list[ScoredSample], batch: TrainBatch):
+        """Per-token (advantages, returns) from the configured algorithm (the only algorithm-specific step)."""
+        names = sorted({k for s in scored for k in s.components})
+        inputs = AdvantageInputs(
+            rewards=torch.tensor([s.reward for s in scored], dtype=torch.float32),
+            components=torch.tensor([[s.components.get(n, 0.0) for n in names] for s in scored]),
+            component_names=names, group_ids=_group_ids(scored), mask=batch.response_mask,
+            values=batch.old_values, old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs,
+        )
+        return self.cfg.algorithm.advantages(inputs)
 
     def push_weights(self) -> dict:
         """Learner -> every rollout engine, in place; the policy version advances."""
@@ -124,7 +138,9 @@ class Trainer:
         mask = batch.response_mask.bool()
         diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask]
         lengths = mask.sum(-1).float()
-        return {
+        components = {f"reward/{name}": sum(x.components.get(name, 0.0) for x in scored) / len(scored)
+                      for name in sorted({k for x in scored for k in x.components})}
+        return {**components,
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
             "reward/errors": reward_errors, "train/accuracy": sum(correct) / len(correct),
             "tokens_generated": int(mask.sum()), "response/length_mean": lengths.mean().item(),
@@ -170,6 +186,7 @@ def _max_model_len(cfg: FleetConfig) -> int:
 
 
 def _cpus_needed(cfg: FleetConfig) -> int:
+    learner_groups = 2 if cfg.algorithm.uses_critic else 1
     need = (cfg.rollout.num_workers * cfg.rollout.num_cpus + cfg.reward.num_workers * cfg.reward.num_cpus
-            + cfg.learner.num_ranks * cfg.learner.num_cpus)
+            + learner_groups * cfg.learner.num_ranks * cfg.learner.num_cpus)
     return int(need + 0.999)

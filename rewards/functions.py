@@ -11,20 +11,14 @@ import importlib
 import re
 from collections.abc import Callable
 
+from learner.registry import Registry
+
 RewardFn = Callable[[str, str, dict], "float | dict[str, float]"]
-REWARD_FUNCTIONS: dict[str, RewardFn] = {}
+REWARD_FUNCTIONS = Registry("reward function")
+register_reward = REWARD_FUNCTIONS.register
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 
-
-def register_reward(name: str):
-    def deco(fn: RewardFn) -> RewardFn:
-        if name in REWARD_FUNCTIONS:
-            raise ValueError(f"reward function {name!r} is already registered")
-        REWARD_FUNCTIONS[name] = fn
-        return fn
-
-    return deco
 
 
 def extract_answer(text: str) -> str | None:
@@ -84,6 +78,35 @@ def math_reward(prompt: str, completion: str, metadata: dict) -> float:
     """1.0 when the completion's final answer equals ``metadata["answer"]`` mathematically, else 0.0."""
     given = extract_answer(completion)
     return float(given is not None and answers_equal(given, str(metadata["answer"])))
+
+
+@register_reward("format")
+def format_reward(prompt: str, completion: str, metadata: dict) -> float:
+    """1.0 when the completion is ``<think>...</think>`` followed by a non-empty answer (DeepSeek-R1), else 0.0."""
+    return float(bool(_THINK_FORMAT.fullmatch(completion.strip())))
+
+
+_THINK_FORMAT = re.compile(r"<think>.+?</think>\s*\S.*", re.S)
+
+
+@register_reward("length")
+def length_reward(prompt: str, completion: str, metadata: dict, max_len: int = 512, cache: int = 128) -> float:
+    """DAPO's soft overlong penalty on the completion's length in characters: 0 up to ``max_len - cache``,
+    falling linearly to -1 at ``max_len``, -1 beyond."""
+    n = len(completion)
+    if n <= max_len - cache:
+        return 0.0
+    return max(-1.0, (max_len - cache - n) / max(cache, 1))
+
+
+_CHOICE = re.compile(r"\b([A-J])\b")
+
+
+@register_reward("choice")
+def choice_reward(prompt: str, completion: str, metadata: dict) -> float:
+    """Multiple choice: 1.0 when the last standalone capital letter A-J of the completion is the answer letter."""
+    letters = _CHOICE.findall(completion)
+    return float(bool(letters) and letters[-1] == str(metadata["answer"]).strip().upper())
 
 
 def load_reward_function(name: str) -> RewardFn:

@@ -7,6 +7,7 @@ thread pool, so one slow call does not hold up the batch.
 
 from __future__ import annotations
 
+import functools
 import logging
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -33,8 +34,10 @@ class RewardFunctionError(RuntimeError):
 class RewardWorker:
     """Plain class; the orchestrator wraps it with ``ray.remote`` (so it is testable without Ray)."""
 
-    def __init__(self, specs: list[tuple[str, float]], timeout_s: float, strict: bool, max_threads: int = 8):
-        self.fns = [(name, load_reward_function(name), weight) for name, weight in specs]
+    def __init__(self, specs: list[tuple[str, float, dict]], timeout_s: float, strict: bool, max_threads: int = 8):
+        """``specs``: (name, weight, params) per function; params are bound as keyword arguments."""
+        self.fns = [(name, functools.partial(load_reward_function(name), **params), weight)
+                    for name, weight, params in specs]
         self.timeout_s = timeout_s
         self.strict = strict
         self.errors = 0

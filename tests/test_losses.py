@@ -125,3 +125,14 @@ def test_build_batch_layout_left_prompt_right_response():
     assert b.rollout_logprobs[1].tolist() == pytest.approx([-0.4, 0, 0])
     shards = b.with_scale().shards(2)
     assert [s.size for s in shards] == [1, 1] and shards[1].scale.num_tokens == 4
+
+
+def test_weight_bucket_round_trip_all_dtypes():
+    from workers.weight_buckets import pack, unpack
+
+    named = [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16)), ("c", torch.arange(7)),
+             ("d", torch.randn(2, 3).t())]  # non-contiguous
+    out = unpack(pack(named))
+    assert [n for n, _ in out] == ["a", "b", "c", "d"]
+    for (_, x), (_, y) in zip(named, out):
+        assert x.dtype == y.dtype and torch.equal(x, y)

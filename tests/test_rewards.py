@@ -57,8 +57,8 @@ def _components(prompt, completion, metadata):
 
 
 def test_worker_counts_errors_and_timeouts_and_keeps_going():
-    w = RewardWorker([("math", 1.0), ("tests.test_rewards:_raises", 1.0), ("tests.test_rewards:_hangs", 1.0)],
-                     timeout_s=0.5, strict=False)
+    specs = [("math", 1.0, {}), ("tests.test_rewards:_raises", 1.0, {}), ("tests.test_rewards:_hangs", 1.0, {})]
+    w = RewardWorker(specs, timeout_s=0.5, strict=False)
     results, errors = w.score([("1+1=", "2", {"answer": "2"}), ("1+1=", "3", {"answer": "2"})])
     assert [r.reward for r in results] == [1.0, 0.0]
     assert errors == 4 and w.stats()["errors"] == 4
@@ -66,13 +66,13 @@ def test_worker_counts_errors_and_timeouts_and_keeps_going():
 
 
 def test_worker_strict_mode_is_fatal():
-    w = RewardWorker([("tests.test_rewards:_raises", 1.0)], timeout_s=1, strict=True)
+    w = RewardWorker([("tests.test_rewards:_raises", 1.0, {})], timeout_s=1, strict=True)
     with pytest.raises(RewardFunctionError, match="boom"):
         w.score([("p", "c", {})])
 
 
 def test_dict_rewards_are_components_and_weights_apply():
-    w = RewardWorker([("tests.test_rewards:_components", 2.0)], timeout_s=1, strict=False)
+    w = RewardWorker([("tests.test_rewards:_components", 2.0, {})], timeout_s=1, strict=False)
     (r,), _ = w.score([("p", "c", {})])
     assert r.components == {"tests.test_rewards:_components/a": 1.0, "tests.test_rewards:_components/b": 0.5}
     assert r.reward == pytest.approx(3.0)
@@ -84,3 +84,20 @@ def test_plugin_loading_errors_are_clear():
         load_reward_function("nope")
     with pytest.raises(KeyError, match="no callable"):
         load_reward_function("tests.test_rewards:missing")
+
+
+def test_format_length_choice_builtins():
+    f, n, c = REWARD_FUNCTIONS["format"], REWARD_FUNCTIONS["length"], REWARD_FUNCTIONS["choice"]
+    assert f("q", "<think>2+2 is 4</think> 4", {}) == 1.0
+    assert f("q", "4 <think>x</think>", {}) == 0.0 and f("q", "<think>x</think>", {}) == 0.0
+    assert n("q", "x" * 10, {}, max_len=20, cache=5) == 0.0
+    assert n("q", "x" * 18, {}, max_len=20, cache=5) == pytest.approx(-0.6)
+    assert n("q", "x" * 40, {}, max_len=20, cache=5) == -1.0
+    assert c("q", "I think B, no, the answer is C.", {"answer": "C"}) == 1.0
+    assert c("q", "The answer is (B)", {"answer": "C"}) == 0.0
+
+
+def test_params_are_bound():
+    w = RewardWorker([("length", 1.0, {"max_len": 4, "cache": 2})], timeout_s=1, strict=False)
+    (r,), errors = w.score([("p", "12345", {})])
+    assert errors == 0 and r.reward == -1.0

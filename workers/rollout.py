@@ -79,14 +79,16 @@ class RolloutWorker:
         return samples
 
     def load_weights(self, bucket_refs: list, version: int) -> dict:
-        """Reload the engine in place from buckets (ObjectRefs of lists of (name, tensor)), fetched one at a time."""
+        """Reload the engine in place from packed buckets (ObjectRefs of :class:`Bucket`), fetched one at a time."""
         import ray
+
+        from workers.weight_buckets import unpack
 
         t0 = time.perf_counter()
 
         def stream() -> Iterator:
             for ref in bucket_refs:
-                yield from ray.get(ref)
+                yield from unpack(ray.get(ref))
 
         loaded = self.llm.collective_rpc("fleetrl_reload_weights", args=(stream(),))
         self.llm.reset_prefix_cache()

@@ -1,0 +1,25 @@
+"""A name -> function registry: refuses duplicates, and an unknown name lists the valid ones. Pure Python."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+class Registry(dict):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def register(self, name: str) -> Callable[[Callable], Callable]:
+        def deco(fn: Callable) -> Callable:
+            if name in self:
+                raise ValueError(f"{self.kind} {name!r} is already registered")
+            self[name] = fn
+            return fn
+
+        return deco
+
+    def get_or_raise(self, name: str) -> Callable:
+        if name not in self:
+            raise KeyError(f"unknown {self.kind} {name!r}; valid: {sorted(self)}")
+        return self[name]
