@@ -183,6 +183,12 @@ class LearnerWorker:
     def ping(self) -> int:
         return self.rank
 
+    def peak_rss_mb(self) -> float:
+        """Peak resident memory of this actor's process, MB."""
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
 
 def _to(mb: TrainBatch, device) -> TrainBatch:
     if str(device) == "cpu":

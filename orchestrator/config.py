@@ -295,6 +295,8 @@ class LearnerConfig(Section):
 class TrainerConfig(Section):
     total_steps: int = Field(200, ge=0)
     """Training steps to run."""
+    time_budget_s: float | None = Field(None, gt=0)
+    """Stop training after this many seconds (then a final eval); None runs all `total_steps`."""
     eval_every: int = Field(25, ge=0)
     """Run a held-out eval every this many steps (and at step 0 and the last step); 0 disables evals."""
     seed: int = 0

@@ -7,6 +7,7 @@ Each phase is timed; one JSON object per step goes to metrics.jsonl.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -53,24 +54,46 @@ class Trainer:
 
     def run(self) -> list[dict]:
         self.start()
-        total = self.cfg.trainer.total_steps
+        total, budget = self.cfg.trainer.total_steps, self.cfg.trainer.time_budget_s
+        t0 = time.perf_counter()
         for step in range(total + 1):
+            last = step == total or (budget is not None and time.perf_counter() - t0 > budget)
             metrics = {"step": step, "policy_version": self.version}
-            if self._is_eval_step(step):
+            if self._is_eval_step(step) or (last and self.cfg.trainer.eval_every):
                 metrics.update(self.evaluate())
-            if step < total:
+            if not last:
                 metrics.update(self.train_step(step))
             self.metrics.log(metrics)
             print(progress_line(metrics), flush=True)
+            if last:
+                break
+        self.finish(time.perf_counter() - t0)
+        return self.metrics.history
+
+    def finish(self, train_seconds: float) -> None:
+        """Final policy, plot, and a summary with each actor's peak memory."""
         final = self.run_dir / "final"
         self.learner.save_hf(str(final))
         self.metrics.close()
-        log.info("final policy written to %s", final)
-        return self.metrics.history
+        evals = [m["eval/accuracy"] for m in self.metrics.history if "eval/accuracy" in m]
+        summary = {"steps": self.version, "train_seconds": round(train_seconds, 1),
+                   "algorithm": self.cfg.algorithm.name, "eval_accuracy_first": evals[0] if evals else None,
+                   "eval_accuracy_last": evals[-1] if evals else None, "peak_rss_mb": self.peak_rss()}
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        log.info("final policy written to %s; summary %s", final, summary)
+
+    def peak_rss(self) -> dict[str, float]:
+        """Peak resident memory of every actor process, MB (ru_maxrss)."""
+        import ray
+
+        groups = {"rollout": self.rollouts.workers, "reward": self.rewards.workers, "learner": self.learner.ranks,
+                  "critic": self.critic.ranks if self.critic else []}
+        refs = {f"{role}-{i}": w.peak_rss_mb.remote() for role, ws in groups.items() for i, w in enumerate(ws)}
+        return dict(zip(refs, ray.get(list(refs.values()))))
 
     def _is_eval_step(self, step: int) -> bool:
         every = self.cfg.trainer.eval_every
-        return every > 0 and (step % every == 0 or step == self.cfg.trainer.total_steps)
+        return every > 0 and step % every == 0
 
     def train_step(self, step: int) -> dict:
         cfg, timer = self.cfg, PhaseTimer()

@@ -80,5 +80,11 @@ class RewardWorker:
             self._logged = True
         return {name: 0.0}, False
 
+    def peak_rss_mb(self) -> float:
+        """Peak resident memory of this actor's process, MB."""
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
     def stats(self) -> dict:
         return {"errors": self.errors, "scored": self.scored}

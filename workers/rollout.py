@@ -95,6 +95,12 @@ class RolloutWorker:
         self.policy_version = version
         return {"tensors": loaded[0], "seconds": time.perf_counter() - t0, "version": version}
 
+    def peak_rss_mb(self) -> float:
+        """Peak resident memory of this actor's process, MB."""
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
     def stats(self) -> dict:
         return {"policy_version": self.policy_version, "generated_tokens": self.generated_tokens, "pid": os.getpid()}
 
