@@ -37,6 +37,8 @@ class AdvantageInputs:
     group_ids: Tensor  # [B] one id per prompt
     mask: Tensor  # [B, T] response tokens
     values: Tensor | None = None  # [B, T] critic values (critic methods)
+    step_rewards: Tensor | None = None  # [B, S] process rewards per step (process supervision)
+    step_ends: Tensor | None = None  # [B, S] token index where each step ends, -1 for absent steps
     old_logprobs: Tensor | None = None  # [B, T] policy logprobs before the update
     ref_logprobs: Tensor | None = None  # [B, T] reference logprobs
 

@@ -79,6 +79,11 @@ class RolloutConfig(Section):
     """Weights are pushed to the engines in buckets of at most this many MB."""
     seed: int = 0
     """Base sampling seed; sample seeds derive from it, the step and the prompt index."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: set aside groups whose rewards are all equal and sample more prompts until the
+    step's batch is full of informative groups (or `max_sampling_rounds` is reached)."""
+    max_sampling_rounds: int = Field(3, ge=1, le=100)
+    """Cap on generate+score rounds per step with dynamic sampling."""
 
 
 class RewardFunctionSpec(Section):
@@ -133,6 +138,7 @@ class LossConfig(Section):
         return {k: getattr(self, k) for k in keys}
 
     uses_critic: ClassVar[bool] = False
+    uses_step_rewards: ClassVar[bool] = False
 
     def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
         """Per-token ``(advantages, returns)``, each ``[B, T]`` (returns only for critic methods)."""
@@ -224,6 +230,23 @@ class GDPOConfig(LossConfig):
         return get_estimator("gdpo")(comps, x.group_ids, x.mask, weights=w, eps=self.eps), None
 
 
+class GRPOProcessConfig(LossConfig):
+    """Process-supervised GRPO (DeepSeekMath): each completion is cut into steps, every step is scored by the
+    reward functions on the completion prefix that ends there, step rewards are normalized per group, and a
+    token's advantage is the sum of the normalized rewards of the steps ending at or after it."""
+
+    name: Literal["grpo_process"] = "grpo_process"
+    uses_step_rewards: ClassVar[bool] = True
+    step_separator: str = "\n"
+    """A step ends at each token whose text contains this string (and at the last token); "" makes every token a
+    step."""
+    eps: float = Field(1e-6, gt=0.0)
+    """Added to the std in the denominator."""
+
+    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
+        return get_estimator("grpo_process")(x.step_rewards, x.step_ends, x.group_ids, x.mask, eps=self.eps), None
+
+
 class PPOConfig(LossConfig):
     """PPO with a learned critic (seeds 000/002): per-token rewards r_t - beta * KL_t with the outcome reward on the
     last token, GAE advantages and returns, a clipped value loss for the critic (its own DeepSpeed group)."""
@@ -254,9 +277,10 @@ class PPOConfig(LossConfig):
 
 
 ALGORITHMS = (GRPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, ReinforcePPBaselineConfig, GDPOConfig,
-              PPOConfig)
+              GRPOProcessConfig, PPOConfig)
 AlgorithmConfig = Annotated[
-    Union[GRPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, ReinforcePPBaselineConfig, GDPOConfig, PPOConfig],
+    Union[GRPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, ReinforcePPBaselineConfig, GDPOConfig,
+          GRPOProcessConfig, PPOConfig],
     Field(discriminator="name"),
 ]
 

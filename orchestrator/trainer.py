@@ -7,6 +7,7 @@ Each phase is timed; one JSON object per step goes to metrics.jsonl.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         self.task = make_task(cfg.data.task, max_operand=cfg.data.max_operand, seed=cfg.data.seed)
         self.eval_prompts = self.task.eval_set(cfg.data.eval_size)
+        self.tokenizer = _load_tokenizer(cfg.model.path) if cfg.algorithm.uses_step_rewards else None
         self.version = 0
 
     def start(self) -> None:
@@ -96,25 +98,44 @@ class Trainer:
         return every > 0 and step % every == 0
 
     def train_step(self, step: int) -> dict:
-        cfg, timer = self.cfg, PhaseTimer()
-        prompts = self.task.train_batch(step, cfg.data.prompts_per_step)
-        with timer("generate"):
-            samples = self.rollouts.generate(prompts, cfg.rollout.group_size, cfg.rollout.temperature,
-                                             seed=cfg.rollout.seed * 100_003 + step)
-        with timer("reward"):
-            scored, reward_errors = self.rewards.score(samples)
+        timer = PhaseTimer()
+        scored, reward_errors, sampling = self.collect(step, timer)
         with timer("logprobs"):
             batch = self.learner.compute_logprobs(self._to_batch(scored))
             if self.critic:
                 batch.old_values = self.critic.compute_values(batch)
         with timer("advantages"):
-            batch.advantages, batch.returns = self.advantages(scored, batch)
+            steps = self.step_rewards(scored) if self.cfg.algorithm.uses_step_rewards else None
+            batch.advantages, batch.returns = self.advantages(scored, batch, steps)
         with timer("learn"):
             train_metrics = self.learn(batch)
         with timer("sync"):
             sync_metrics = self.push_weights()
         return {**self._rollout_metrics(scored, batch, reward_errors), **_rename(train_metrics), **sync_metrics,
-                **timer.metrics()}
+                **sampling, **timer.metrics()}
+
+    def collect(self, step: int, timer: PhaseTimer) -> tuple[list[ScoredSample], int, dict]:
+        """Generate and score the step's groups. With ``rollout.dynamic_sampling`` (DAPO), groups whose rewards
+        are all equal (zero advantage) are set aside and more prompts are sampled, up to
+        ``rollout.max_sampling_rounds`` rounds; a batch still short is topped up with set-aside groups."""
+        cfg, G = self.cfg, self.cfg.rollout.group_size
+        need, kept, spare, errors, rounds = cfg.data.prompts_per_step, [], [], 0, 0
+        while len(kept) < need and rounds < (cfg.rollout.max_sampling_rounds if cfg.rollout.dynamic_sampling else 1):
+            prompts = self.task.train_batch(step, need, round_=rounds)
+            with timer("generate"):
+                samples = self.rollouts.generate(prompts, G, cfg.rollout.temperature,
+                                                 seed=cfg.rollout.seed * 100_003 + step + 7919 * rounds)
+            with timer("reward"):
+                scored, errs = self.rewards.score(samples)
+            errors += errs
+            rounds += 1
+            for g in range(len(prompts)):
+                group = scored[g * G: (g + 1) * G]
+                informative = not cfg.rollout.dynamic_sampling or len({x.reward for x in group}) > 1
+                (kept if informative else spare).append(group)
+        groups = (kept + spare)[:need]
+        info = {"sampling/rounds": rounds, "sampling/informative_groups": len(kept)}
+        return [x for grp in groups for x in grp], errors, info
 
     def learn(self, batch: TrainBatch) -> dict:
         """Actor update, and the critic's beside it (both groups run concurrently)."""
@@ -122,7 +143,23 @@ class Trainer:
         critic_refs = self.critic.train_async(batch) if self.critic else []
         return {**gather_metrics(refs), **(gather_metrics(critic_refs) if critic_refs else {})}
 
-    def advantages(self, scored: list[ScoredSample], batch: TrainBatch):
+    def step_rewards(self, scored: list[ScoredSample]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Process supervision: cut each completion into steps and score every step's prefix with the reward
+        workers. Returns ``(step_rewards [B, S], step_ends [B, S])`` with -1 ends for absent steps."""
+        sep = self.cfg.algorithm.step_separator
+        ends = [_step_ends([self.tokenizer.decode([t]) for t in x.sample.completion_ids], sep) for x in scored]
+        prefixes = [dataclasses.replace(x.sample, completion_text=self.tokenizer.decode(
+            x.sample.completion_ids[: e + 1], skip_special_tokens=True)) for x, es in zip(scored, ends) for e in es]
+        rewards = iter([r.reward for r in self.rewards.score(prefixes)[0]])
+        S = max(1, max(len(e) for e in ends))
+        step_rewards = torch.zeros(len(scored), S)
+        step_ends = torch.full((len(scored), S), -1, dtype=torch.long)
+        for i, es in enumerate(ends):
+            for k, e in enumerate(es):
+                step_rewards[i, k], step_ends[i, k] = next(rewards), e
+        return step_rewards, step_ends
+
+    def advantages(self, scored: list[ScoredSample], batch: TrainBatch, steps=None):
         """Per-token (advantages, returns) from the configured algorithm (the only algorithm-specific step)."""
         names = sorted({k for s in scored for k in s.components})
         inputs = AdvantageInputs(
@@ -130,6 +167,7 @@ class Trainer:
             components=torch.tensor([[s.components.get(n, 0.0) for n in names] for s in scored]),
             component_names=names, group_ids=_group_ids(scored), mask=batch.response_mask,
             values=batch.old_values, old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs,
+            step_rewards=steps[0] if steps else None, step_ends=steps[1] if steps else None,
         )
         return self.cfg.algorithm.advantages(inputs)
 
@@ -172,6 +210,14 @@ class Trainer:
         }
 
 
+def _step_ends(token_texts: list[str], separator: str) -> list[int]:
+    """Token indices that end a step: tokens containing ``separator`` (every token when it is ""), and the last."""
+    ends = [i for i, t in enumerate(token_texts) if separator == "" or separator in t]
+    if token_texts and (not ends or ends[-1] != len(token_texts) - 1):
+        ends.append(len(token_texts) - 1)
+    return ends
+
+
 def _group_ids(scored: list[ScoredSample]) -> torch.Tensor:
     index: dict[str, int] = {}
     return torch.tensor([index.setdefault(s.sample.prompt_uid, len(index)) for s in scored])
@@ -198,6 +244,12 @@ def run_training(cfg: FleetConfig) -> list[dict]:
         else:
             ray.init(num_cpus=max(os.cpu_count() or 1, _cpus_needed(cfg)), include_dashboard=False)
     return Trainer(cfg).run()
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def _max_model_len(cfg: FleetConfig) -> int:

@@ -45,10 +45,12 @@ class ArithmeticTask:
             if not self.is_eval_pair(a, b):
                 return a, b
 
-    def train_batch(self, step: int, n: int) -> list[Prompt]:
-        """The ``n`` training prompts of ``step``; a pure function of (seed, step), so resume is exact."""
-        rng = random.Random(f"{self.seed}:{step}")
-        return [self.make(f"s{step}-{i}", *self._draw_pair(rng)) for i in range(n)]
+    def train_batch(self, step: int, n: int, round_: int = 0) -> list[Prompt]:
+        """The ``n`` training prompts of ``step`` (extra sampling rounds draw fresh ones); a pure function of
+        (seed, step, round), so resume is exact."""
+        rng = random.Random(f"{self.seed}:{step}" + (f":{round_}" if round_ else ""))
+        tag = f"s{step}" + (f"r{round_}" if round_ else "")
+        return [self.make(f"{tag}-{i}", *self._draw_pair(rng)) for i in range(n)]
 
     def eval_set(self, n: int) -> list[Prompt]:
         """A fixed held-out set of ``n`` prompts (independent of the run seed)."""

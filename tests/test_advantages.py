@@ -196,3 +196,12 @@ def test_registry_rejects_unknown_names_listing_valid_ones():
         get_estimator("nope")
     for name in ("grpo", "dr_grpo", "rloo", "gae", "reinforce_pp", "reinforce_pp_baseline", "gdpo", "grpo_process"):
         assert name in ADVANTAGE_ESTIMATORS
+
+
+def test_step_boundaries_for_process_supervision():
+    from orchestrator.trainer import _step_ends
+
+    assert _step_ends(["4", "2", "<eos>"], "") == [0, 1, 2]
+    assert _step_ends(["a", "\n", "b", "c"], "\n") == [1, 3]
+    assert _step_ends(["a", "b\n"], "\n") == [1]
+    assert _step_ends([], "\n") == []

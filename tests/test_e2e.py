@@ -70,8 +70,9 @@ def _check_final_policy(final: Path):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("algorithm,extra", [
-    ("rloo", []),
+    ("rloo", ["rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=3"]),
     ("ppo", ["algorithm.kl_reward_coef=0.05"]),
+    ("grpo_process", ["algorithm.step_separator=''"]),
     ("gdpo", ["reward.functions=[{name: math}, {name: length, params: {max_len: 5, cache: 3}}]",
               "algorithm.conditions=[{reward: length, if_reward: math, threshold: 1.0}]"]),
 ])
@@ -85,6 +86,10 @@ def test_algorithm_families_end_to_end(tmp_path, algorithm, extra):
     for r in rows[:2]:
         assert r["weight_sync/logprob_max_diff"] < 1e-3
         assert abs(r["loss"]) < 1e6
+    if algorithm == "rloo":  # dynamic sampling: more than one round when groups had equal rewards
+        assert all(1 <= r["sampling/rounds"] <= 3 for r in rows[:2])
+        assert any(r["sampling/rounds"] > 1 for r in rows[:2]) or all(
+            r["sampling/informative_groups"] >= 16 for r in rows[:2])
     if algorithm == "ppo":
         assert "critic/value_loss" in rows[0] and rows[0]["critic/value_loss"] > 0
     if algorithm == "gdpo":
