@@ -180,6 +180,22 @@ class LearnerWorker:
         AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out_dir)
         return out_dir
 
+    def save_checkpoint(self, path: str) -> None:
+        """DeepSpeed state of this rank (weights, optimizer, LR schedule) plus its torch RNG state."""
+        import torch
+
+        self.engine.save_checkpoint(path, tag="ds", client_state={"rng": torch.get_rng_state()},
+                                    save_latest=False)
+
+    def load_checkpoint(self, path: str) -> None:
+        import torch
+
+        _, client = self.engine.load_checkpoint(path, tag="ds", load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
+        if client is None:
+            raise RuntimeError(f"could not load the DeepSpeed checkpoint in {path}")
+        torch.set_rng_state(client["rng"])
+
     def ping(self) -> int:
         return self.rank
 

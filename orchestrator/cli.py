@@ -18,7 +18,12 @@ def _parser() -> argparse.ArgumentParser:
         if name == "config":
             sp.add_argument("action", choices=["show", "docs"], help="show: resolved YAML; docs: reference table")
         sp.add_argument("-c", "--config", help="YAML config file")
+        if name == "train":
+            sp.add_argument("--resume", help="'auto' (newest complete checkpoint of run.dir) or a checkpoint dir")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=8")
+    ex = sub.add_parser("export", help="write a run's (or checkpoint's) policy as an HF model directory")
+    ex.add_argument("source", help="a run dir (its final policy, else its newest checkpoint) or a checkpoint dir")
+    ex.add_argument("--out", required=True)
     im = sub.add_parser("init-model", help="build the embedded default model (tiny Qwen2 + char tokenizer)")
     im.add_argument("--out", default=EMBEDDED_MODEL_PATH)
     im.add_argument("--seed", type=int, default=0)
@@ -54,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             print(init_model(args.out, seed=args.seed, target_accuracy=args.target_accuracy))
             return 0
+        if args.command == "export":
+            from orchestrator.checkpoint import export_policy
+
+            print(export_policy(Path(args.source), Path(args.out)))
+            return 0
         if args.command == "config" and args.action == "docs":
             from orchestrator.config import config_reference_markdown
 
@@ -66,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         ensure_model(cfg)
         from orchestrator.trainer import run_training
 
-        run_training(cfg)
+        run_training(cfg, resume=args.resume)
         return 0
-    except ConfigError as e:
+    except (ConfigError, FileNotFoundError) as e:
         print(f"fleetrl: {e}", file=sys.stderr)
         return 2
 

@@ -319,6 +319,10 @@ class LearnerConfig(Section):
 class TrainerConfig(Section):
     total_steps: int = Field(200, ge=0)
     """Training steps to run."""
+    save_every: int = Field(0, ge=0)
+    """Write a resumable checkpoint every this many steps (0 disables)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """How many complete checkpoints to keep (oldest deleted first)."""
     time_budget_s: float | None = Field(None, gt=0)
     """Stop training after this many seconds (then a final eval); None runs all `total_steps`."""
     eval_every: int = Field(25, ge=0)

@@ -31,14 +31,19 @@ class PhaseTimer:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, plot_every: int):
+    def __init__(self, run_dir: Path, plot_every: int, keep_before: int = 0):
+        """``keep_before``: on resume, keep the existing rows of steps before it and drop the rest."""
         from torch.utils.tensorboard import SummaryWriter
 
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
+        self.history: list[dict] = []
+        if keep_before and self.path.exists():
+            rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            self.history = [r for r in rows if r["step"] < keep_before]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
         self.tb = SummaryWriter(str(run_dir / "tensorboard"))
         self.plot_every = plot_every
-        self.history: list[dict] = []
 
     def log(self, metrics: dict) -> None:
         clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)

@@ -174,6 +174,12 @@ class LearnerGroup:
     def save_hf(self, out_dir: str) -> None:
         ray.get([w.save_hf.remote(out_dir) for w in self.ranks])
 
+    def save_checkpoint(self, path: str) -> None:
+        ray.get([w.save_checkpoint.remote(path) for w in self.ranks])
+
+    def load_checkpoint(self, path: str) -> None:
+        ray.get([w.load_checkpoint.remote(path) for w in self.ranks])
+
 
 def gather_metrics(refs: list) -> dict:
     """Sum the ranks' additive metric shares."""

@@ -18,6 +18,7 @@ import torch
 
 from learner.advantages import AdvantageInputs
 from learner.batch import TrainBatch, build_batch
+from orchestrator import checkpoint as ckpt
 from orchestrator.config import FleetConfig, dump_config
 from orchestrator.metrics import MetricsLogger, PhaseTimer, progress_line
 from orchestrator.pools import gather_metrics
@@ -29,13 +30,15 @@ log = logging.getLogger("fleetrl")
 
 
 class Trainer:
-    def __init__(self, cfg: FleetConfig):
+    def __init__(self, cfg: FleetConfig, resume: str | None = None):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.task = make_task(cfg.data.task, max_operand=cfg.data.max_operand, seed=cfg.data.seed)
         self.eval_prompts = self.task.eval_set(cfg.data.eval_size)
         self.tokenizer = _load_tokenizer(cfg.model.path) if cfg.algorithm.uses_step_rewards else None
         self.version = 0
+        self.start_step = 0
+        self.resume_from = ckpt.resolve(resume, self.run_dir) if resume else None
 
     def start(self) -> None:
         """Create the run directory and the actor groups (rollout, reward, learner)."""
@@ -43,8 +46,9 @@ class Trainer:
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
-        (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        self.metrics = MetricsLogger(self.run_dir, self.cfg.run.plot_every)
+        if self.resume_from:
+            self.start_step = ckpt.load_state(self.resume_from)["step"]
+        self.metrics = MetricsLogger(self.run_dir, self.cfg.run.plot_every, keep_before=self.start_step)
         max_len = _max_model_len(self.cfg)
         t0 = time.perf_counter()
         self.learner = LearnerGroup(self.cfg)
@@ -53,18 +57,50 @@ class Trainer:
         self.rewards = RewardPool(self.cfg)
         log.info("actors up in %.1fs: %d rollout, %d reward, %d learner ranks", time.perf_counter() - t0,
                  len(self.rollouts.workers), len(self.rewards.workers), self.learner.world)
+        if self.resume_from:
+            self.restore(self.resume_from)
+
+    def restore(self, path: Path) -> None:
+        """Learner (and critic) state from a checkpoint; the engines get the restored weights before generating."""
+        state = ckpt.load_state(path)
+        self.learner.load_checkpoint(str(path / "learner"))
+        if self.critic:
+            self.critic.load_checkpoint(str(path / "critic"))
+        self.version = state["policy_version"] - 1
+        self.push_weights()
+        log.info("resumed from %s at step %d (policy version %d)", path, self.start_step, self.version)
+
+    def save_checkpoint(self, next_step: int) -> float:
+        """Write a complete checkpoint for resuming at ``next_step``; returns seconds taken."""
+        t0 = time.perf_counter()
+        stage = ckpt.staging_dir(self.run_dir, next_step)
+        try:
+            self.learner.save_checkpoint(str(stage / "learner"))
+            if self.critic:
+                self.critic.save_checkpoint(str(stage / "critic"))
+            self.learner.save_hf(str(stage / "policy"))
+            ckpt.commit(self.run_dir, stage, next_step, {"step": next_step, "policy_version": self.version},
+                        dump_config(self.cfg), self.cfg.trainer.keep_checkpoints)
+        except OSError as e:
+            previous = ckpt.complete_checkpoints(self.run_dir)
+            raise OSError(f"checkpoint at step {next_step} failed ({e}); the previous checkpoint "
+                          f"{previous[-1] if previous else '(none)'} is intact") from e
+        return time.perf_counter() - t0
 
     def run(self) -> list[dict]:
         self.start()
         total, budget = self.cfg.trainer.total_steps, self.cfg.trainer.time_budget_s
         t0 = time.perf_counter()
-        for step in range(total + 1):
+        save_every = self.cfg.trainer.save_every
+        for step in range(self.start_step, total + 1):
             last = step == total or (budget is not None and time.perf_counter() - t0 > budget)
             metrics = {"step": step, "policy_version": self.version}
             if self._is_eval_step(step) or (last and self.cfg.trainer.eval_every):
                 metrics.update(self.evaluate())
             if not last:
                 metrics.update(self.train_step(step))
+                if save_every and (step + 1) % save_every == 0:
+                    metrics["time/checkpoint_s"] = self.save_checkpoint(step + 1)
             self.metrics.log(metrics)
             print(progress_line(metrics), flush=True)
             if last:
@@ -233,17 +269,18 @@ def _rename(m: dict) -> dict:
     return out
 
 
-def run_training(cfg: FleetConfig) -> list[dict]:
+def run_training(cfg: FleetConfig, resume: str | None = None) -> list[dict]:
     """Join or start Ray, then run the loop."""
     import ray
 
+    trainer = Trainer(cfg, resume)  # resolves --resume before any actor starts
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
         if address:
             ray.init(address=address)
         else:
             ray.init(num_cpus=max(os.cpu_count() or 1, _cpus_needed(cfg)), include_dashboard=False)
-    return Trainer(cfg).run()
+    return trainer.run()
 
 
 def _load_tokenizer(path: str):

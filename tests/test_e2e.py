@@ -16,10 +16,10 @@ REQUIRED = ["step", "policy_version", "reward/mean", "reward/std", "train/accura
             "time/step_s", "weight_sync/logprob_max_diff"]
 
 
-def run_fleetrl(run_dir: Path, *overrides: str, timeout: int = 600) -> list[dict]:
+def run_fleetrl(run_dir: Path, *args: str, timeout: int = 600) -> list[dict]:
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1")
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "orchestrator", "train", f"run.dir={run_dir}", *overrides]
+    cmd = [sys.executable, "-m", "orchestrator", "train", f"run.dir={run_dir}", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]

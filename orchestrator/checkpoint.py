@@ -1,0 +1,80 @@
+"""Checkpoint directories of a run: ``<run.dir>/checkpoints/step_NNNNNN``.
+
+A checkpoint is written under a temporary name, the completion marker ``COMPLETE`` is written last, then the
+directory is renamed into place; only complete checkpoints are ever loaded, and the last
+``trainer.keep_checkpoints`` are kept. Contents: ``learner/`` and ``critic/`` (DeepSpeed state per rank:
+weights, optimizer, LR schedule, each rank's RNG), ``policy/`` (the policy as an HF safetensors directory),
+``trainer_state.json`` (next step, policy version) and ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+MARKER = "COMPLETE"
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def staging_dir(run_dir: Path, step: int) -> Path:
+    path = checkpoint_root(run_dir) / f".tmp-step_{step:06d}"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def commit(run_dir: Path, staging: Path, step: int, state: dict, config_yaml: str, keep: int) -> Path:
+    """Write the driver state and marker, rename into place, prune old checkpoints."""
+    (staging / "trainer_state.json").write_text(json.dumps(state, indent=1))
+    (staging / "config.yaml").write_text(config_yaml)
+    (staging / MARKER).write_text("ok\n")
+    final = checkpoint_root(run_dir) / f"step_{step:06d}"
+    shutil.rmtree(final, ignore_errors=True)
+    staging.rename(final)
+    for old in complete_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step_*") if (p / MARKER).exists())
+
+
+def resolve(resume: str, run_dir: Path) -> Path:
+    """``auto``: the newest complete checkpoint of the run dir; otherwise a checkpoint directory."""
+    if resume == "auto":
+        found = complete_checkpoints(run_dir)
+        if not found:
+            raise FileNotFoundError(f"--resume auto: no complete checkpoint under {checkpoint_root(run_dir)}")
+        return found[-1]
+    path = Path(resume)
+    if not (path / MARKER).exists():
+        raise FileNotFoundError(f"--resume {resume}: not a complete fleetrl checkpoint (no {MARKER} marker)")
+    return path
+
+
+def load_state(path: Path) -> dict:
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def export_policy(source: Path, out: Path) -> Path:
+    """Copy the policy of a checkpoint (``policy/``) or run dir (``final/``, else its newest checkpoint) to
+    ``out`` as an HF directory (safetensors + tokenizer) that transformers and vLLM load."""
+    if (source / MARKER).exists():
+        policy = source / "policy"
+    elif (source / "final" / "config.json").exists():
+        policy = source / "final"
+    elif complete_checkpoints(source):
+        policy = complete_checkpoints(source)[-1] / "policy"
+    else:
+        raise FileNotFoundError(f"export: {source} is neither a checkpoint nor a run dir with a final policy "
+                                "or a complete checkpoint")
+    shutil.copytree(policy, out, dirs_exist_ok=True)
+    return out
