@@ -74,9 +74,14 @@ def main(argv: list[str] | None = None) -> int:
             print(dump_config(cfg), end="")
             return 0
         ensure_model(cfg)
+        from orchestrator.pools import LearnerDied
         from orchestrator.trainer import run_training
 
-        run_training(cfg, resume=args.resume)
+        try:
+            run_training(cfg, resume=args.resume)
+        except LearnerDied as e:
+            print(f"fleetrl: {e}", file=sys.stderr)
+            return 1
         return 0
     except (ConfigError, FileNotFoundError) as e:
         print(f"fleetrl: {e}", file=sys.stderr)

@@ -79,6 +79,9 @@ class RolloutConfig(Section):
     """Weights are pushed to the engines in buckets of at most this many MB."""
     seed: int = 0
     """Base sampling seed; sample seeds derive from it, the step and the prompt index."""
+    max_restarts: int = Field(3, ge=0)
+    """Rollout actors that die are replaced (with the current weights) and their prompts re-run, this many
+    times per run."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: set aside groups whose rewards are all equal and sample more prompts until the
     step's batch is full of informative groups (or `max_sampling_rounds` is reached)."""
@@ -104,6 +107,8 @@ class RewardConfig(Section):
     """Per-call time limit of a reward function; a call past it scores 0 and counts as an error."""
     strict: bool = False
     """Make a raising or hanging reward function fatal instead of scoring 0."""
+    max_restarts: int = Field(3, ge=0)
+    """Reward actors that die are replaced and their batch re-scored, this many times per run."""
     num_cpus: float = Field(0.25, ge=0.0)
     """Ray CPUs reserved by each reward actor."""
 

@@ -3,6 +3,8 @@ the group and gathered back (the role of verl's dispatch modes, written out as o
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import socket
 
 import ray
@@ -17,6 +19,8 @@ from rewards.worker import RewardWorker
 from workers.records import Sample, ScoredSample
 from workers.rollout import CPU_ENV, RolloutWorker
 
+log = logging.getLogger("fleetrl")
+
 
 def _chunks(items: list, n: int) -> list[list]:
     """Split into ``n`` contiguous nearly equal parts (some may be empty)."""
@@ -29,22 +33,72 @@ def _chunks(items: list, n: int) -> list[list]:
     return out
 
 
-class RolloutPool:
-    """The `rollout-i` actors. ``generate`` spreads prompts over workers and keeps prompt order."""
+class ActorPool:
+    """Workers of one role, spread over the cluster. A worker that dies mid-call is replaced and its share of
+    the call re-run, up to ``max_restarts`` times per run (``faults/<role>_restarts`` counts them)."""
+
+    role = "actor"
+
+    def __init__(self, count: int, max_restarts: int):
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.workers = [self._spawn(i, self.role + f"-{i}") for i in range(count)]
+
+    def _spawn(self, index: int, name: str):
+        raise NotImplementedError
+
+    def restart(self, index: int, error: Exception) -> None:
+        if self.restarts >= self.max_restarts:
+            raise RuntimeError(f"{self.role}-{index} died and the restart budget ({self.max_restarts}) is spent: "
+                               f"{error}") from error
+        self.restarts += 1
+        log.warning("%s-%d died (%s); restarting it (%d/%d)", self.role, index, type(error).__name__,
+                    self.restarts, self.max_restarts)
+        with contextlib.suppress(Exception):
+            ray.kill(self.workers[index], no_restart=True)
+        try:
+            self.workers[index] = self._spawn(index, f"{self.role}-{index}")
+        except ValueError:  # the dead actor's name is not released yet
+            self.workers[index] = self._spawn(index, f"{self.role}-{index}-r{self.restarts}")
+        self._after_restart(self.workers[index])
+
+    def _after_restart(self, worker) -> None:
+        pass
+
+    def fan_out(self, call, parts: list) -> list:
+        """``call(worker, part)`` -> ObjectRef on every worker with a non-empty part; results in part order."""
+        refs = {i: call(self.workers[i], p) for i, p in enumerate(parts) if p}
+        out = {}
+        while refs:
+            i, ref = next(iter(refs.items()))
+            try:
+                out[i] = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                self.restart(i, e)
+                refs[i] = call(self.workers[i], parts[i])
+                continue
+            del refs[i]
+        return [out[i] for i in sorted(out)]
+
+
+class RolloutPool(ActorPool):
+    """The `rollout-i` actors. ``generate`` spreads prompts over workers and keeps prompt order; a replaced
+    worker gets the current weights before it receives prompts."""
+
+    role = "rollout"
 
     def __init__(self, cfg: FleetConfig, max_model_len: int):
         self.cfg = cfg
         self.max_model_len = max_model_len
-        self.workers: list = []
         self.version = 0
-        for i in range(cfg.rollout.num_workers):
-            self.workers.append(self._spawn(i))
+        self.buckets: list = []  # the last pushed weights (kept alive for replacements)
+        super().__init__(cfg.rollout.num_workers, cfg.rollout.max_restarts)
         ray.get([w.stats.remote() for w in self.workers])
 
-    def _spawn(self, index: int):
+    def _spawn(self, index: int, name: str):
         r = self.cfg.rollout
         actor = ray.remote(RolloutWorker).options(
-            name=f"rollout-{index}", num_cpus=r.num_cpus, num_gpus=r.num_gpus * r.tensor_parallel_size,
+            name=name, num_cpus=r.num_cpus, num_gpus=r.num_gpus * r.tensor_parallel_size,
             runtime_env={"env_vars": CPU_ENV}, scheduling_strategy="SPREAD", max_concurrency=1,
         )
         return actor.remote(
@@ -52,39 +106,45 @@ class RolloutPool:
             self.cfg.rollout.seed + index, r.gpu_memory_utilization, r.tensor_parallel_size,
         )
 
+    def _after_restart(self, worker) -> None:
+        if self.buckets:
+            ray.get(worker.load_weights.remote(self.buckets, self.version))
+
     def generate(self, prompts: list[Prompt], group_size: int, temperature: float, seed: int | None) -> list[Sample]:
         r = self.cfg.rollout
         parts = _chunks([(p.uid, p.text, p.metadata) for p in prompts], len(self.workers))
-        refs = [w.generate.remote(part, group_size, r.max_new_tokens, temperature, r.top_p, seed)
-                for w, part in zip(self.workers, parts) if part]
-        return [s for out in ray.get(refs) for s in out]
+        outs = self.fan_out(
+            lambda w, part: w.generate.remote(part, group_size, r.max_new_tokens, temperature, r.top_p, seed), parts)
+        return [s for out in outs for s in out]
 
     def load_weights(self, bucket_refs: list, version: int) -> list[dict]:
-        self.version = version
-        return ray.get([w.load_weights.remote(bucket_refs, version) for w in self.workers])
+        self.version, self.buckets = version, bucket_refs
+        return self.fan_out(lambda w, _: w.load_weights.remote(bucket_refs, version), [True] * len(self.workers))
 
     def stats(self) -> list[dict]:
         return ray.get([w.stats.remote() for w in self.workers])
 
 
-class RewardPool:
+class RewardPool(ActorPool):
     """The `reward-i` actors. ``score`` spreads samples over workers and keeps order."""
 
+    role = "reward"
+
     def __init__(self, cfg: FleetConfig):
-        rc = cfg.reward
+        self.cfg = cfg
+        super().__init__(cfg.reward.num_workers, cfg.reward.max_restarts)
+
+    def _spawn(self, index: int, name: str):
+        rc = self.cfg.reward
         specs = [(f.name, f.weight, f.params) for f in rc.functions]
-        self.workers = [
-            ray.remote(RewardWorker).options(name=f"reward-{i}", num_cpus=rc.num_cpus).remote(
-                specs, rc.timeout_s, rc.strict)
-            for i in range(rc.num_workers)
-        ]
+        return ray.remote(RewardWorker).options(name=name, num_cpus=rc.num_cpus).remote(specs, rc.timeout_s, rc.strict)
 
     def score(self, samples: list[Sample]) -> tuple[list[ScoredSample], int]:
         parts = _chunks(samples, len(self.workers))
-        refs = [w.score.remote([(s.prompt_text, s.completion_text, s.metadata) for s in part])
-                for w, part in zip(self.workers, parts) if part]
+        outs = self.fan_out(
+            lambda w, part: w.score.remote([(s.prompt_text, s.completion_text, s.metadata) for s in part]), parts)
         results, errors = [], 0
-        for out, errs in ray.get(refs):
+        for out, errs in outs:
             results.extend(out)
             errors += errs
         scored = [ScoredSample(s, r.reward, r.components) for s, r in zip(samples, results)]
@@ -105,7 +165,7 @@ class LearnerGroup:
         lc = cfg.learner
         self.cfg = cfg
         self.role = role
-        prefix = "critic" if role == "critic" else "learner"
+        self.prefix = prefix = "critic" if role == "critic" else "learner"
         lr = cfg.algorithm.critic_lr if role == "critic" else lc.lr
         loss_kwargs = cfg.algorithm.critic_loss_kwargs() if role == "critic" else cfg.algorithm.loss_kwargs()
         self.world = lc.num_ranks
@@ -137,12 +197,20 @@ class LearnerGroup:
                 return node["NodeManagerAddress"]
         return "127.0.0.1"
 
+    def _get(self, refs):
+        """ray.get that turns a dead rank into :class:`LearnerDied` (the job cannot continue without it)."""
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as e:
+            raise LearnerDied(f"a {self.prefix} rank died ({type(e).__name__}); the group cannot continue "
+                              "without it") from e
+
     def compute_logprobs(self, batch: TrainBatch) -> TrainBatch:
         """Fill ``old_logprobs`` and ``ref_logprobs`` (one no-grad pass of each model, rows split over ranks)."""
         import torch
 
-        outs = ray.get([w.compute_logprobs.remote(s, self.micro_batch_size)
-                        for w, s in zip(self.ranks, batch.shards(self.world))])
+        outs = self._get([w.compute_logprobs.remote(s, self.micro_batch_size)
+                          for w, s in zip(self.ranks, batch.shards(self.world))])
         batch.old_logprobs = torch.cat([o["old_logprobs"] for o in outs])
         batch.ref_logprobs = torch.cat([o["ref_logprobs"] for o in outs])
         return batch
@@ -151,8 +219,8 @@ class LearnerGroup:
         """Critic values ``[B, T]`` (rows split over ranks)."""
         import torch
 
-        return torch.cat(ray.get([w.compute_values.remote(s, self.micro_batch_size)
-                                  for w, s in zip(self.ranks, batch.shards(self.world))]))
+        return torch.cat(self._get([w.compute_values.remote(s, self.micro_batch_size)
+                                    for w, s in zip(self.ranks, batch.shards(self.world))]))
 
     def train_async(self, batch: TrainBatch) -> list:
         """Start training on the batch; returns the ranks' ObjectRefs (see :func:`gather_metrics`). Split into
@@ -168,7 +236,7 @@ class LearnerGroup:
 
     def weight_buckets(self) -> list:
         """ObjectRefs of the current weights in buckets (every rank takes part in the ZeRO-3 gather)."""
-        outs = ray.get([w.weight_buckets.remote(self.cfg.rollout.weight_bucket_mb) for w in self.ranks])
+        outs = self._get([w.weight_buckets.remote(self.cfg.rollout.weight_bucket_mb) for w in self.ranks])
         return outs[0]
 
     def save_hf(self, out_dir: str) -> None:
@@ -181,7 +249,14 @@ class LearnerGroup:
         ray.get([w.load_checkpoint.remote(path) for w in self.ranks])
 
 
+class LearnerDied(RuntimeError):
+    """A learner or critic rank died: the run stops (resume from the last checkpoint)."""
+
+
 def gather_metrics(refs: list) -> dict:
     """Sum the ranks' additive metric shares."""
-    outs = ray.get(refs)
+    try:
+        outs = ray.get(refs)
+    except ray.exceptions.RayActorError as e:
+        raise LearnerDied(f"a learner rank died during the update ({type(e).__name__})") from e
     return {k: sum(o[k] for o in outs) for k in outs[0]}

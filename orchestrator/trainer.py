@@ -88,6 +88,18 @@ class Trainer:
         return time.perf_counter() - t0
 
     def run(self) -> list[dict]:
+        from orchestrator.pools import LearnerDied
+
+        try:
+            return self._run()
+        except LearnerDied as e:
+            found = ckpt.complete_checkpoints(self.run_dir)
+            hint = (f"resume with `fleetrl train ... --resume auto` (newest complete checkpoint: {found[-1]})"
+                    if found else "no checkpoint was written yet, so it cannot resume: restart it "
+                    "(trainer.save_every makes runs resumable)")
+            raise LearnerDied(f"{e}. The run stopped; {hint}") from e
+
+    def _run(self) -> list[dict]:
         self.start()
         total, budget = self.cfg.trainer.total_steps, self.cfg.trainer.time_budget_s
         t0 = time.perf_counter()
@@ -243,6 +255,8 @@ class Trainer:
             "tokens_generated": int(mask.sum()), "response/length_mean": lengths.mean().item(),
             "weight_sync/logprob_max_diff": diff.max().item() if diff.numel() else 0.0,
             "rollout/policy_version_min": min(x.sample.policy_version for x in scored),
+            "rollout/samples": len(scored), "rollout/unique_prompts": len({x.sample.prompt_uid for x in scored}),
+            "faults/rollout_restarts": self.rollouts.restarts, "faults/reward_restarts": self.rewards.restarts,
         }
 
 

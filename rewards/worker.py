@@ -87,4 +87,6 @@ class RewardWorker:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     def stats(self) -> dict:
-        return {"errors": self.errors, "scored": self.scored}
+        import os
+
+        return {"errors": self.errors, "scored": self.scored, "pid": os.getpid()}
