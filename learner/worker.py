@@ -54,6 +54,7 @@ class LearnerWorker:
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+        _load_checkpoints_weights_only(self.engine)
         self.loss_kwargs = loss_kwargs
         self.temperature = temperature
         self.zero_stage = ds_config["zero_optimization"]["stage"]
@@ -204,6 +205,21 @@ class LearnerWorker:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _load_checkpoints_weights_only(engine) -> None:
+    """DeepSpeed's torch checkpoint engine loads with ``weights_only=False`` (arbitrary unpickling). Load with
+    ``weights_only=True`` instead, allowing only the plain DeepSpeed records its checkpoints contain."""
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    def load(path: str, map_location=None):
+        with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    engine.checkpoint_engine.load = load
 
 
 def _to(mb: TrainBatch, device) -> TrainBatch:

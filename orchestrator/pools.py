@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import time
 
 import ray
 from ray.util.placement_group import placement_group
@@ -42,6 +43,7 @@ class ActorPool:
     def __init__(self, count: int, max_restarts: int):
         self.max_restarts = max_restarts
         self.restarts = 0
+        self.recovery_s = 0.0  # seconds the last replacement took (spawn + weights)
         self.workers = [self._spawn(i, self.role + f"-{i}") for i in range(count)]
 
     def _spawn(self, index: int, name: str):
@@ -52,6 +54,7 @@ class ActorPool:
             raise RuntimeError(f"{self.role}-{index} died and the restart budget ({self.max_restarts}) is spent: "
                                f"{error}") from error
         self.restarts += 1
+        t0 = time.perf_counter()
         log.warning("%s-%d died (%s); restarting it (%d/%d)", self.role, index, type(error).__name__,
                     self.restarts, self.max_restarts)
         with contextlib.suppress(Exception):
@@ -61,6 +64,8 @@ class ActorPool:
         except ValueError:  # the dead actor's name is not released yet
             self.workers[index] = self._spawn(index, f"{self.role}-{index}-r{self.restarts}")
         self._after_restart(self.workers[index])
+        self.recovery_s = time.perf_counter() - t0
+        log.warning("%s-%d replaced in %.1fs", self.role, index, self.recovery_s)
 
     def _after_restart(self, worker) -> None:
         pass

@@ -257,6 +257,7 @@ class Trainer:
             "rollout/policy_version_min": min(x.sample.policy_version for x in scored),
             "rollout/samples": len(scored), "rollout/unique_prompts": len({x.sample.prompt_uid for x in scored}),
             "faults/rollout_restarts": self.rollouts.restarts, "faults/reward_restarts": self.rewards.restarts,
+            "faults/rollout_recovery_s": self.rollouts.recovery_s, "faults/reward_recovery_s": self.rewards.recovery_s,
         }
 
 

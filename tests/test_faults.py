@@ -62,6 +62,8 @@ def test_killed_rollout_and_reward_actors_are_replaced(tmp_path):
         assert r["weight_sync/logprob_max_diff"] < 1e-3  # replacement engines got the current weights
     assert train[-1]["faults/rollout_restarts"] == 1 and train[-1]["faults/reward_restarts"] == 1
     assert train[0]["faults/rollout_restarts"] == 0
+    print("recovery seconds: rollout", train[-1]["faults/rollout_recovery_s"], "reward",
+          train[-1]["faults/reward_recovery_s"], "; step times", [round(r["time/step_s"], 2) for r in train])
 
 
 @pytest.mark.e2e
