@@ -21,7 +21,7 @@ from learner.batch import TrainBatch, build_batch
 from orchestrator import checkpoint as ckpt
 from orchestrator.config import FleetConfig, dump_config
 from orchestrator.metrics import MetricsLogger, PhaseTimer, progress_line
-from orchestrator.pools import gather_metrics
+from orchestrator.pools import LearnerDied, LearnerGroup, RewardPool, RolloutPool, gather_metrics
 from rewards.functions import math_reward
 from rewards.tasks import make_task
 from workers.records import ScoredSample
@@ -42,8 +42,6 @@ class Trainer:
 
     def start(self) -> None:
         """Create the run directory and the actor groups (rollout, reward, learner)."""
-        from orchestrator.pools import LearnerGroup, RewardPool, RolloutPool
-
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
         if self.resume_from:
@@ -88,8 +86,6 @@ class Trainer:
         return time.perf_counter() - t0
 
     def run(self) -> list[dict]:
-        from orchestrator.pools import LearnerDied
-
         try:
             return self._run()
         except LearnerDied as e:
