@@ -7,6 +7,7 @@ only in what the driver puts in the batch.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import defaultdict
@@ -104,20 +105,50 @@ class LearnerWorker:
         n_steps = 0
         for _ in range(epochs):
             for shard in minibatches:
-                for mb in _micro_batches(shard, micro_batch_size):
+                micro = list(_micro_batches(shard, micro_batch_size))
+                skipped = False
+                for j, mb in enumerate(micro):
                     loss, metrics = loss_fn(mb)
                     # loss is this micro-batch's share of the minibatch loss; DeepSpeed averages gradients
                     # over ranks, so undo that division to keep the sum (split invariance).
                     self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+                    if j == len(micro) - 1 and self.zero_stage == 0:
+                        skipped = self._drop_nonfinite_grads()
                     self.engine.step()
+                    if skipped and self.engine.lr_scheduler is None:  # a scheduler already set the next LR
+                        self._restore_lr()
                     for k, v in metrics.items():
                         sums[k] += float(v)
-                sums[f"{self.role}/grad_norm"] += float(self.engine.get_global_grad_norm() or 0.0) / self.world_size
+                norm = float(self.engine.get_global_grad_norm() or 0.0)
+                # ZeRO 1-3 skip a step whose global grad norm is NaN/Inf themselves (and report it as inf)
+                skipped = skipped or not math.isfinite(norm)
+                sums[f"{self.role}/grad_norm"] += (norm if math.isfinite(norm) else 0.0) / self.world_size
+                sums[f"{self.role}/skipped_step_frac"] += skipped / self.world_size
                 n_steps += 1
         out = {k: v / n_steps for k, v in sums.items()}
         out[f"{self.role}/lr"] = self.engine.get_lr()[0] / self.world_size
         out[f"time/{self.role}_compute_s"] = (time.perf_counter() - t0) / self.world_size
         return out
+
+    def _drop_nonfinite_grads(self) -> bool:
+        """ZeRO-0: after the boundary all-reduce every rank holds the same gradients. If any is NaN/Inf, zero
+        them and set the LR to 0 for this one optimizer step, so the weights do not change (AdamW's moments
+        still decay by one step). ZeRO 1-3 skip such steps inside DeepSpeed."""
+        import torch
+
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        if all(torch.isfinite(g).all() for g in grads):
+            return False
+        for g in grads:
+            g.zero_()
+        self._saved_lr = [group["lr"] for group in self.engine.optimizer.param_groups]
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = 0.0
+        return True
+
+    def _restore_lr(self) -> None:
+        for group, lr in zip(self.engine.optimizer.param_groups, self._saved_lr):
+            group["lr"] = lr
 
     def _actor_loss(self, mb: TrainBatch):
         from learner.losses import policy_loss

@@ -324,6 +324,8 @@ class LearnerConfig(Section):
 class TrainerConfig(Section):
     total_steps: int = Field(200, ge=0)
     """Training steps to run."""
+    max_bad_steps: int = Field(3, ge=1)
+    """Steps in a row whose update is skipped for a NaN/Inf loss or gradient before the run stops."""
     save_every: int = Field(0, ge=0)
     """Write a resumable checkpoint every this many steps (0 disables)."""
     keep_checkpoints: int = Field(2, ge=1)

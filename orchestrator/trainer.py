@@ -99,7 +99,7 @@ class Trainer:
         self.start()
         total, budget = self.cfg.trainer.total_steps, self.cfg.trainer.time_budget_s
         t0 = time.perf_counter()
-        save_every = self.cfg.trainer.save_every
+        save_every, bad_steps = self.cfg.trainer.save_every, 0
         for step in range(self.start_step, total + 1):
             last = step == total or (budget is not None and time.perf_counter() - t0 > budget)
             metrics = {"step": step, "policy_version": self.version}
@@ -107,7 +107,8 @@ class Trainer:
                 metrics.update(self.evaluate())
             if not last:
                 metrics.update(self.train_step(step))
-                if save_every and (step + 1) % save_every == 0:
+                bad_steps = self._count_bad_step(metrics, bad_steps)
+                if save_every and (step + 1) % save_every == 0 and not bad_steps:
                     metrics["time/checkpoint_s"] = self.save_checkpoint(step + 1)
             self.metrics.log(metrics)
             print(progress_line(metrics), flush=True)
@@ -115,6 +116,19 @@ class Trainer:
                 break
         self.finish(time.perf_counter() - t0)
         return self.metrics.history
+
+    def _count_bad_step(self, metrics: dict, bad_steps: int) -> int:
+        """A step whose update was skipped for a NaN/Inf gradient is bad; too many in a row stop the run."""
+        bad = metrics.get("actor/skipped_step_frac", 0) > 0 or metrics.get("critic/skipped_step_frac", 0) > 0
+        bad_steps = bad_steps + 1 if bad else 0
+        metrics["train/bad_steps_in_a_row"] = bad_steps
+        if bad_steps >= self.cfg.trainer.max_bad_steps:
+            self.metrics.log(metrics)
+            found = ckpt.complete_checkpoints(self.run_dir)
+            raise BadTraining(f"{bad_steps} steps in a row had a NaN/Inf loss or gradient (update skipped each "
+                              f"time; trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}); the run stopped. "
+                              f"Last good checkpoint: {found[-1] if found else 'none'}")
+        return bad_steps
 
     def finish(self, train_seconds: float) -> None:
         """Final policy, plot, and a summary with each actor's peak memory."""
@@ -255,6 +269,10 @@ class Trainer:
             "faults/rollout_restarts": self.rollouts.restarts, "faults/reward_restarts": self.rewards.restarts,
             "faults/rollout_recovery_s": self.rollouts.recovery_s, "faults/reward_recovery_s": self.rewards.recovery_s,
         }
+
+
+class BadTraining(RuntimeError):
+    """Too many consecutive steps with non-finite gradients."""
 
 
 def _step_ends(token_texts: list[str], separator: str) -> list[int]:

@@ -70,3 +70,30 @@ def test_killed_rollout_and_reward_actors_are_replaced(tmp_path):
 def test_dead_learner_stops_the_run_with_resume_advice(tmp_path):
     out, _ = _run(tmp_path, "learner")
     assert "FAILED LearnerDied" in out and "resume" in out, out[-3000:]
+
+
+def nan_reward(prompt, completion, metadata):
+    """A reward function gone wrong: NaN rewards make NaN advantages, losses and gradients."""
+    return float("nan")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("ranks,zero_stage", [(1, 0), (2, 2)])
+def test_nan_steps_are_skipped_then_the_run_stops(tmp_path, ranks, zero_stage):
+    import os
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "orchestrator", "train", f"run.dir={tmp_path}", "trainer.total_steps=6",
+           "trainer.eval_every=0", "trainer.max_bad_steps=2", "trainer.save_every=1", "rollout.num_workers=1",
+           f"learner.num_ranks={ranks}", f"learner.zero_stage={zero_stage}",
+           "reward.functions=[{name: 'tests.test_faults:nan_reward'}]"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "2 steps in a row had a NaN/Inf" in r.stderr and "Last good checkpoint: none" in r.stderr
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["actor/skipped_step_frac"] for row in rows] == [1.0, 1.0]
+    assert rows[-1]["train/bad_steps_in_a_row"] == 2
+    # the skipped updates left the policy untouched: it still equals the reference exactly
+    assert rows[1]["kl"] == 0.0 and rows[1]["weight_sync/logprob_max_diff"] < 1e-3
+    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").glob("step_*"))
