@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -79,10 +80,14 @@ class Trainer:
             self.learner.save_hf(str(stage / "policy"))
             ckpt.commit(self.run_dir, stage, next_step, {"step": next_step, "policy_version": self.version},
                         dump_config(self.cfg), self.cfg.trainer.keep_checkpoints)
-        except OSError as e:
+        except (OSError, RuntimeError) as e:  # a full disk surfaces as OSError or as torch.save's RuntimeError
+            shutil.rmtree(stage, ignore_errors=True)
             previous = ckpt.complete_checkpoints(self.run_dir)
-            raise OSError(f"checkpoint at step {next_step} failed ({e}); the previous checkpoint "
-                          f"{previous[-1] if previous else '(none)'} is intact") from e
+            free_mb = shutil.disk_usage(self.run_dir).free / 2**20
+            raise CheckpointFailed(
+                f"checkpoint at step {next_step} failed ({str(e).splitlines()[-1][:200]}); {free_mb:.1f} MB free "
+                f"on {self.run_dir} (is the disk full?); the previous checkpoint "
+                f"{previous[-1] if previous else '(none)'} is intact") from e
         return time.perf_counter() - t0
 
     def run(self) -> list[dict]:
@@ -269,6 +274,10 @@ class Trainer:
             "faults/rollout_restarts": self.rollouts.restarts, "faults/reward_restarts": self.rewards.restarts,
             "faults/rollout_recovery_s": self.rollouts.recovery_s, "faults/reward_recovery_s": self.rewards.recovery_s,
         }
+
+
+class CheckpointFailed(RuntimeError):
+    """A checkpoint could not be written; the previous one is untouched."""
 
 
 class BadTraining(RuntimeError):

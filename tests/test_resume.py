@@ -75,3 +75,30 @@ def test_bad_resume_path_exits_2_before_starting_ray(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "no complete checkpoint" in r.stderr
     assert "Started a local Ray instance" not in r.stderr
+
+
+@pytest.mark.e2e
+def test_full_disk_during_checkpoint_keeps_previous_one(tmp_path):
+    """A run dir on a small tmpfs: the first checkpoint fits, the second does not. The error says the disk
+    filled and names the previous checkpoint, which stays complete and resolvable."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16M", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        run_dir = mnt / "run"
+        cmd = [sys.executable, "-m", "orchestrator", "train", f"run.dir={run_dir}", "trainer.total_steps=4",
+               "trainer.eval_every=0", "trainer.save_every=1", "trainer.keep_checkpoints=1", "rollout.num_workers=1",
+               "learner.num_ranks=1", "learner.zero_stage=0"]
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 1
+        assert "checkpoint at step 2 failed" in r.stderr and "MB free" in r.stderr, r.stderr[-3000:]
+        assert "step_000001 is intact" in r.stderr
+        assert not list((run_dir / "checkpoints").glob(".tmp-*"))  # the partial write was cleaned up
+        from orchestrator import checkpoint as ckpt
+
+        good = ckpt.resolve("auto", run_dir)
+        assert good.name == "step_000001" and (good / "policy" / "model.safetensors").exists()
+        assert ckpt.load_state(good) == {"step": 1, "policy_version": 1}
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
