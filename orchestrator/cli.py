@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from orchestrator.config import EMBEDDED_MODEL_PATH, ConfigError, FleetConfig, dump_config, load_config
+from rewards.datasets import DatasetError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fleetrl: {e}", file=sys.stderr)
             return 1
         return 0
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, DatasetError) as e:
         print(f"fleetrl: {e}", file=sys.stderr)
         return 2
 

@@ -41,7 +41,17 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     task: Literal["arithmetic"] = "arithmetic"
-    """Built-in prompt generator."""
+    """Built-in prompt generator (used when `path` is not set)."""
+    path: str | None = None
+    """A JSONL dataset (one JSON object per line) to train on instead of the built-in task."""
+    prompt_field: str = "prompt"
+    """Dataset column holding the prompt (GSM8K: `question`)."""
+    answer_field: str = "answer"
+    """Dataset column holding the reference answer (`#### n` endings, as in GSM8K, keep `n`)."""
+    eval_path: str | None = None
+    """Held-out JSONL for evals; default: the last `eval_size` rows of `path`, never trained on."""
+    skip_invalid: bool = False
+    """Skip and count malformed dataset rows instead of failing with file and line."""
     prompts_per_step: int = Field(16, ge=1, le=4096)
     """Distinct prompts per training step; each gets `rollout.group_size` samples."""
     eval_size: int = Field(400, ge=1, le=100000)

@@ -34,7 +34,7 @@ class Trainer:
     def __init__(self, cfg: FleetConfig, resume: str | None = None):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
-        self.task = make_task(cfg.data.task, max_operand=cfg.data.max_operand, seed=cfg.data.seed)
+        self.task = _make_task(cfg)
         self.eval_prompts = self.task.eval_set(cfg.data.eval_size)
         self.tokenizer = _load_tokenizer(cfg.model.path) if cfg.algorithm.uses_step_rewards else None
         self.version = 0
@@ -319,6 +319,21 @@ def run_training(cfg: FleetConfig, resume: str | None = None) -> list[dict]:
         else:
             ray.init(num_cpus=max(os.cpu_count() or 1, _cpus_needed(cfg)), include_dashboard=False)
     return trainer.run()
+
+
+def _make_task(cfg: FleetConfig):
+    """The built-in task, or a JSONL dataset (``data.path``) with prompts filtered by token length."""
+    d = cfg.data
+    if d.path is None:
+        return make_task(d.task, max_operand=d.max_operand, seed=d.seed)
+    from rewards.datasets import DatasetTask
+
+    tok = _load_tokenizer(cfg.model.path)
+    task = DatasetTask(d.path, d.prompt_field, d.answer_field, d.skip_invalid, d.eval_size, d.seed, d.eval_path,
+                       too_long=lambda p: len(tok(p)["input_ids"]) > d.max_prompt_tokens)
+    log.info("dataset %s: %d train / %d eval rows; skipped %s", d.path, len(task.train_rows), len(task.eval_rows),
+             task.counts)
+    return task
 
 
 def _load_tokenizer(path: str):
