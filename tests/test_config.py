@@ -83,3 +83,11 @@ def test_cli_config_show_prints_resolved_config():
     r = subprocess.run([sys.executable, "-m", "orchestrator", "config", "show", "rollout.group_size=4"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "group_size: 4" in r.stdout
+
+
+def test_cli_missing_model_path_is_a_clear_error(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "orchestrator", "train", f"model.path={tmp_path}/nope",
+                        f"run.dir={tmp_path}/run"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "model.path" in r.stderr and "not a model directory" in r.stderr
+    assert not (tmp_path / "run").exists()  # nothing half-started
