@@ -126,9 +126,6 @@ class RolloutPool(ActorPool):
         self.version, self.buckets = version, bucket_refs
         return self.fan_out(lambda w, _: w.load_weights.remote(bucket_refs, version), [True] * len(self.workers))
 
-    def stats(self) -> list[dict]:
-        return ray.get([w.stats.remote() for w in self.workers])
-
 
 class RewardPool(ActorPool):
     """The `reward-i` actors. ``score`` spreads samples over workers and keeps order."""
@@ -203,12 +200,7 @@ class LearnerGroup:
         return "127.0.0.1"
 
     def _get(self, refs):
-        """ray.get that turns a dead rank into :class:`LearnerDied` (the job cannot continue without it)."""
-        try:
-            return ray.get(refs)
-        except ray.exceptions.RayActorError as e:
-            raise LearnerDied(f"a {self.prefix} rank died ({type(e).__name__}); the group cannot continue "
-                              "without it") from e
+        return get_ranks(refs, self.prefix)
 
     def compute_logprobs(self, batch: TrainBatch) -> TrainBatch:
         """Fill ``old_logprobs`` and ``ref_logprobs`` (one no-grad pass of each model, rows split over ranks)."""
@@ -236,32 +228,34 @@ class LearnerGroup:
         return [w.train.remote(list(shards), lc.epochs, self.micro_batch_size)
                 for w, shards in zip(self.ranks, per_rank)]
 
-    def train(self, batch: TrainBatch) -> dict:
-        return gather_metrics(self.train_async(batch))
-
     def weight_buckets(self) -> list:
         """ObjectRefs of the current weights in buckets (every rank takes part in the ZeRO-3 gather)."""
         outs = self._get([w.weight_buckets.remote(self.cfg.rollout.weight_bucket_mb) for w in self.ranks])
         return outs[0]
 
     def save_hf(self, out_dir: str) -> None:
-        ray.get([w.save_hf.remote(out_dir) for w in self.ranks])
+        self._get([w.save_hf.remote(out_dir) for w in self.ranks])
 
     def save_checkpoint(self, path: str) -> None:
-        ray.get([w.save_checkpoint.remote(path) for w in self.ranks])
+        self._get([w.save_checkpoint.remote(path) for w in self.ranks])
 
     def load_checkpoint(self, path: str) -> None:
-        ray.get([w.load_checkpoint.remote(path) for w in self.ranks])
+        self._get([w.load_checkpoint.remote(path) for w in self.ranks])
 
 
 class LearnerDied(RuntimeError):
     """A learner or critic rank died: the run stops (resume from the last checkpoint)."""
 
 
+def get_ranks(refs: list, group: str = "learner") -> list:
+    """ray.get over a learner group's calls; a dead rank becomes :class:`LearnerDied` (the group cannot go on)."""
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayActorError as e:
+        raise LearnerDied(f"a {group} rank died ({type(e).__name__}); the group cannot continue without it") from e
+
+
 def gather_metrics(refs: list) -> dict:
     """Sum the ranks' additive metric shares."""
-    try:
-        outs = ray.get(refs)
-    except ray.exceptions.RayActorError as e:
-        raise LearnerDied(f"a learner rank died during the update ({type(e).__name__})") from e
+    outs = get_ranks(refs)
     return {k: sum(o[k] for o in outs) for k in outs[0]}

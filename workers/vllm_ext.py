@@ -42,12 +42,3 @@ class WeightSyncExtension:
             method = getattr(head, "quant_method", None)
             if method is not None and hasattr(method, "process_weights_after_loading"):
                 method.process_weights_after_loading(head)
-
-    def fleetrl_param_checksum(self) -> float:
-        """Sum of all parameters (tests compare it with the learner's)."""
-        model = self.model_runner.get_model()
-        return float(sum(p.detach().double().sum() for p in model.parameters()))
-
-    def fleetrl_param_sums(self) -> dict:
-        model = self.model_runner.get_model()
-        return {n: float(p.detach().double().sum()) for n, p in model.named_parameters()}
