@@ -109,8 +109,18 @@ def choice_reward(prompt: str, completion: str, metadata: dict) -> float:
     return float(bool(letters) and letters[-1] == str(metadata["answer"]).strip().upper())
 
 
+# Modules holding more built-ins (imported on first lookup, so importing this module stays light).
+BUILTIN_MODULES: tuple[str, ...] = ()
+
+
+def load_builtins() -> None:
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
 def load_reward_function(name: str) -> RewardFn:
     """A built-in by name, or a user function by import path ``pkg.module:function``."""
+    load_builtins()
     if name in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[name]
     if ":" not in name:
