@@ -11,6 +11,7 @@ import math
 import os
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 from learner.batch import TrainBatch, position_ids, response_logprobs
 
@@ -103,12 +104,12 @@ class LearnerWorker:
         loss_fn = self._critic_loss if self.role == "critic" else self._actor_loss
         sums: dict[str, float] = defaultdict(float)
         n_steps = 0
-        for _ in range(epochs):
-            for shard in minibatches:
+        for epoch in range(epochs):
+            for i, shard in enumerate(minibatches):
                 micro = list(_micro_batches(shard, micro_batch_size))
                 skipped = False
                 for j, mb in enumerate(micro):
-                    loss, metrics = loss_fn(mb)
+                    loss, metrics = loss_fn(mb, first_pass=epoch == 0 and i == 0)
                     # loss is this micro-batch's share of the minibatch loss; DeepSpeed averages gradients
                     # over ranks, so undo that division to keep the sum (split invariance).
                     self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
@@ -118,14 +119,14 @@ class LearnerWorker:
                     if skipped and self.engine.lr_scheduler is None:  # a scheduler already set the next LR
                         self._restore_lr()
                     for k, v in metrics.items():
-                        sums[k] += float(v)
+                        sums[k] = max(sums[k], float(v)) if k.endswith("_max") else sums[k] + float(v)
                 norm = float(self.engine.get_global_grad_norm() or 0.0)
                 # ZeRO 1-3 skip a step whose global grad norm is NaN/Inf themselves (and report it as inf)
                 skipped = skipped or not math.isfinite(norm)
                 sums[f"{self.role}/grad_norm"] += (norm if math.isfinite(norm) else 0.0) / self.world_size
                 sums[f"{self.role}/skipped_step_frac"] += skipped / self.world_size
                 n_steps += 1
-        out = {k: v / n_steps for k, v in sums.items()}
+        out = {k: v if k.endswith("_max") else v / n_steps for k, v in sums.items()}
         out[f"{self.role}/lr"] = self.engine.get_lr()[0] / self.world_size
         out[f"time/{self.role}_compute_s"] = (time.perf_counter() - t0) / self.world_size
         return out
@@ -150,16 +151,28 @@ class LearnerWorker:
         for group, lr in zip(self.engine.optimizer.param_groups, self._saved_lr):
             group["lr"] = lr
 
-    def _actor_loss(self, mb: TrainBatch):
+    def _actor_loss(self, mb: TrainBatch, first_pass: bool = False):
+        """Policy loss of one micro-batch. When the driver sent no reference logprobs the reference forward runs
+        here, fused into the training pass (no separate round trip). On the first pass over the batch (weights
+        not yet updated) the largest |learner - engine| logprob gap of the sampled tokens is measured for free."""
+        import torch
+
         from learner.losses import policy_loss
 
+        if mb.ref_logprobs is None and self.ref is not None:
+            with torch.no_grad():
+                mb = replace(mb, ref_logprobs=self._forward(self.ref, mb)[0])
         logp, entropy = self._forward(self.engine, mb)
         mb = _to(mb, self.device)
-        return policy_loss(logp, mb.old_logprobs, mb.advantages, mb.response_mask, mb.scale,
-                           ref_logp=mb.ref_logprobs, entropy=entropy, rollout_logp=mb.rollout_logprobs,
-                           **self.loss_kwargs)
+        loss, metrics = policy_loss(logp, mb.old_logprobs, mb.advantages, mb.response_mask, mb.scale,
+                                    ref_logp=mb.ref_logprobs, entropy=entropy, rollout_logp=mb.rollout_logprobs,
+                                    **self.loss_kwargs)
+        if first_pass:
+            gap = ((logp.detach() - mb.rollout_logprobs).abs() * mb.response_mask).max()
+            metrics["actor/rollout_logprob_gap_max"] = gap
+        return loss, metrics
 
-    def _critic_loss(self, mb: TrainBatch):
+    def _critic_loss(self, mb: TrainBatch, first_pass: bool = False):
         from learner.losses import value_loss
 
         values = self._values(self.engine, mb)

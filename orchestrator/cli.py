@@ -22,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
         if name == "train":
             sp.add_argument("--resume", help="'auto' (newest complete checkpoint of run.dir) or a checkpoint dir")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=8")
+    _cluster_parsers(sub)
+    _eval_parsers(sub)
     ex = sub.add_parser("export", help="write a run's (or checkpoint's) policy as an HF model directory")
     ex.add_argument("source", help="a run dir (its final policy, else its newest checkpoint) or a checkpoint dir")
     ex.add_argument("--out", required=True)
@@ -31,6 +33,77 @@ def _parser() -> argparse.ArgumentParser:
     im.add_argument("--target-accuracy", type=float, default=0.2, help="stop the warm start at this accuracy")
     im.add_argument("--force", action="store_true", help="rebuild even if it exists")
     return p
+
+
+def _cluster_parsers(sub) -> None:
+    sm = sub.add_parser("submit", help="submit a training run to a Ray cluster as a Ray job")
+    sm.add_argument("-c", "--config", help="YAML config file (inside the current directory, which is uploaded)")
+    sm.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.num_workers=4")
+    sm.add_argument("--address", help="job API address (default: RAY_ADDRESS if http, else http://127.0.0.1:8265)")
+    sm.add_argument("--python", default="python", help="python executable on the cluster nodes")
+    sm.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment for the job")
+    st = sub.add_parser("status", help="state, step, reward, eval accuracy and throughput of a submitted run")
+    st.add_argument("job", nargs="?", help="job id (default: the newest fleetrl job)")
+    st.add_argument("--address")
+    st.add_argument("--json", action="store_true", help="print JSON")
+    sc = sub.add_parser("scale", help="resize a running job's rollout/reward pools (applied at the next step)")
+    sc.add_argument("--rollout", type=int, help="rollout actors wanted")
+    sc.add_argument("--reward", type=int, help="reward actors wanted")
+    sc.add_argument("--run", help="run name (its run.dir's last component); default: the only live run")
+    sc.add_argument("--address", help="Ray GCS address (default: auto, i.e. run this on a cluster node)")
+    sc.add_argument("--wait", type=float, default=120.0, help="seconds to wait until applied (0: don't wait)")
+
+
+def _cluster_command(args) -> int:
+    import json
+
+    from orchestrator import jobs
+
+    if args.command == "submit":
+        env = dict(kv.split("=", 1) for kv in args.env)
+        job = jobs.submit(args.config, args.overrides, args.address, args.python, env)
+        addr = jobs.job_address(args.address)
+        print(f"submitted {job}\n  follow: ray job logs --address {addr} -f {job}\n"
+              f"  status: fleetrl status {job} --address {addr}\n  stop:   ray job stop --address {addr} {job}")
+    elif args.command == "status":
+        st = jobs.job_status(args.job, args.address)
+        print(json.dumps(st) if args.json else jobs.format_status(st))
+    else:
+        print(json.dumps(jobs.scale(args.rollout, args.reward, args.run, args.address, args.wait)))
+    return 0
+
+
+def _eval_parsers(sub) -> None:
+    ev = sub.add_parser("eval", help="greedy accuracy, pass@k and best-of-N of a checkpoint on the eval prompts")
+    ev.add_argument("-c", "--config", help="YAML config file (task, dataset, engines, reward functions)")
+    ev.add_argument("--checkpoint", required=True, help="a run's final/, a checkpoint dir or an HF model dir")
+    ev.add_argument("--n", default="1,4,16", help="comma-separated k / N values (samples per prompt: the max)")
+    ev.add_argument("--select", choices=["reward", "reward_model"], default="reward",
+                    help="best-of-N picks the sample with the highest summed reward or reward-model score")
+    ev.add_argument("--out", help="JSON report path (default: <run.dir>/eval.json)")
+    ev.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.eval_size=100")
+    rf = sub.add_parser("rft", help="rejection-sampling fine-tuning: keep verified-correct samples, SFT on them")
+    rf.add_argument("-c", "--config", help="YAML config file")
+    rf.add_argument("--rounds", type=int, help="rounds (default: rft.rounds)")
+    rf.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=8")
+
+
+def _eval_command(args, cfg: FleetConfig) -> int:
+    from orchestrator.pools import LearnerDied
+
+    if args.command == "eval":
+        from orchestrator.evaluate import parse_ns, run_eval
+
+        run_eval(cfg, args.checkpoint, parse_ns(args.n), args.select, args.out)
+        return 0
+    from orchestrator.rft import run_rft
+
+    try:
+        run_rft(cfg, args.rounds)
+    except LearnerDied as e:
+        print(f"fleetrl: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def ensure_model(cfg: FleetConfig) -> None:
@@ -60,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             print(init_model(args.out, seed=args.seed, target_accuracy=args.target_accuracy))
             return 0
+        if args.command in ("submit", "status", "scale"):
+            try:
+                return _cluster_command(args)
+            except (LookupError, ValueError, TimeoutError) as e:  # no such run/job, bad --rollout, not applied
+                print(f"fleetrl: {e}", file=sys.stderr)
+                return 2
         if args.command == "export":
             from orchestrator.checkpoint import export_policy
 
@@ -75,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
             print(dump_config(cfg), end="")
             return 0
         ensure_model(cfg)
+        from rewards.reward_model import ensure_reward_model
+
+        ensure_reward_model(cfg.reward.model.path, cfg.model.path)
+        if args.command in ("eval", "rft"):
+            return _eval_command(args, cfg)
         from orchestrator.pools import LearnerDied
         from orchestrator.trainer import run_training
 

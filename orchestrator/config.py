@@ -40,16 +40,19 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    task: Literal["arithmetic"] = "arithmetic"
-    """Built-in prompt generator (used when `path` is not set)."""
+    task: Literal["arithmetic", "countdown", "multi"] = "arithmetic"
+    """Built-in prompt generator (used when `path` is not set): `arithmetic` (`a+b=`, reward `math`),
+    `countdown` (TinyZero Countdown, reward `countdown`), `multi` (two-operation arithmetic for multi-reward
+    GDPO: `math` + `format` + `length`). See docs/REWARDS.md."""
     path: str | None = None
-    """A JSONL dataset (one JSON object per line) to train on instead of the built-in task."""
+    """A dataset to train on instead of the built-in task: JSONL (one JSON object per line) or, for a path
+    ending in `.parquet`, a Parquet file."""
     prompt_field: str = "prompt"
     """Dataset column holding the prompt (GSM8K: `question`)."""
     answer_field: str = "answer"
     """Dataset column holding the reference answer (`#### n` endings, as in GSM8K, keep `n`)."""
     eval_path: str | None = None
-    """Held-out JSONL for evals; default: the last `eval_size` rows of `path`, never trained on."""
+    """Held-out JSONL or Parquet file for evals; default: the last `eval_size` rows of `path`, never trained on."""
     skip_invalid: bool = False
     """Skip and count malformed dataset rows instead of failing with file and line."""
     prompts_per_step: int = Field(16, ge=1, le=4096)
@@ -59,9 +62,25 @@ class DataConfig(Section):
     max_prompt_tokens: int = Field(512, ge=1)
     """Prompts longer than this many tokens are rejected (the engine context is this plus max_new_tokens)."""
     max_operand: int = Field(99, ge=1, le=10**6)
-    """Arithmetic task: operands are drawn from [0, max_operand]."""
+    """Built-in tasks: operands are drawn from [0, max_operand] (`countdown`: its numbers from [1, max_operand])."""
+    prompt_style: Literal["text", "compact"] = "text"
+    """`countdown` and `multi`: `text` states the instructions in words (for real models); `compact` writes the
+    bare problem in the embedded model's character vocabulary (`0-9 + - * ( ) =`)."""
+    countdown_min_numbers: int = Field(3, ge=2, le=8)
+    """`countdown`: fewest numbers given in a problem."""
+    countdown_max_numbers: int = Field(4, ge=2, le=8)
+    """`countdown`: most numbers given in a problem."""
+    countdown_max_target: int = Field(100, ge=1, le=10**6)
+    """`countdown`: targets are integers in [1, countdown_max_target]."""
     seed: int = 0
     """Seed of the prompt stream (the eval split is fixed and does not depend on it)."""
+
+    @model_validator(mode="after")
+    def _check_countdown_range(self) -> DataConfig:
+        if self.countdown_min_numbers > self.countdown_max_numbers:
+            raise ValueError(f"data.countdown_min_numbers ({self.countdown_min_numbers}) must not exceed "
+                             f"data.countdown_max_numbers ({self.countdown_max_numbers})")
+        return self
 
 
 class RolloutConfig(Section):
@@ -97,6 +116,15 @@ class RolloutConfig(Section):
     step's batch is full of informative groups (or `max_sampling_rounds` is reached)."""
     max_sampling_rounds: int = Field(3, ge=1, le=100)
     """Cap on generate+score rounds per step with dynamic sampling."""
+    mode: Literal["sync", "one_step_off"] = "sync"
+    """`sync`: generate, then train, then push. `one_step_off`: the engines generate (and the reward actors
+    score) batch k+1 with policy version k while the learner trains on batch k; samples are one version stale
+    and the truncated-IS correction (`algorithm.tis_cap`) weighs them."""
+    max_staleness: int = Field(1, ge=0, le=16)
+    """Largest allowed `policy_version` gap between a sample's generator and the learner that trains on it
+    (one_step_off needs >= 1); a larger gap stops the run."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each rollout actor requests (e.g. `{rollout_gpu: 1}`), beside num_cpus/num_gpus."""
 
 
 class RewardFunctionSpec(Section):
@@ -106,6 +134,21 @@ class RewardFunctionSpec(Section):
     """Weight of this function's value in the summed reward."""
     params: dict[str, float | int | str | bool] = Field(default_factory=dict)
     """Keyword arguments bound to the function (e.g. `{max_len: 64}` for `length`)."""
+
+
+class RewardModelConfig(Section):
+    path: str | None = None
+    """Local HF sequence-classification reward model (one output, `num_labels=1`); set, it starts
+    `num_workers` `reward-model-i` actors and adds a `reward_model` component (its logit on prompt + completion)
+    to every sample. `.fleetrl/models/arith-rm` is the embedded one, built from the policy when missing."""
+    num_workers: int = Field(1, ge=1, le=1024)
+    """Number of `reward-model-i` actors (used only when `path` is set)."""
+    batch_size: int = Field(64, ge=1, le=65536)
+    """(prompt, completion) pairs per reward-model forward pass."""
+    weight: float = Field(1.0, ge=-1e6, le=1e6)
+    """Weight of the `reward_model` component in the summed reward (0 logs it without training on it)."""
+    num_cpus: float = Field(0.25, ge=0.0)
+    """Ray CPUs reserved by each reward-model actor."""
 
 
 class RewardConfig(Section):
@@ -121,6 +164,10 @@ class RewardConfig(Section):
     """Reward actors that die are replaced and their batch re-scored, this many times per run."""
     num_cpus: float = Field(0.25, ge=0.0)
     """Ray CPUs reserved by each reward actor."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each reward actor requests."""
+    model: RewardModelConfig = Field(default_factory=RewardModelConfig)
+    """A learned reward model scored beside the functions (off unless `reward.model.path` is set)."""
 
 
 class LossConfig(Section):
@@ -323,10 +370,17 @@ class LearnerConfig(Section):
     """Passes over the step's batch."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (saves memory on large models)."""
+    logprob_pass: Literal["auto", "always"] = "auto"
+    """`auto`: when the batch is used once by the policy that generated it (rollout.mode=sync, 1 epoch, 1
+    minibatch, float32, no critic), the engine's logprobs stand in for the old logprobs and the reference pass
+    is fused into the training pass, so there is no separate forward pass. `always`: a separate pass computes
+    old and reference logprobs before the update."""
     num_cpus: float = Field(0.5, ge=0.0)
     """Ray CPUs reserved by each learner rank."""
     num_gpus: float = Field(0.0, ge=0.0)
     """Ray GPUs reserved by each learner rank."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each learner rank requests (in its placement-group bundle)."""
     master_port: int = Field(0, ge=0, le=65535)
     """torch.distributed rendezvous port on rank 0's node (0 picks a free one)."""
 
@@ -357,6 +411,18 @@ class RunConfig(Section):
     """Ray cluster to join; None uses RAY_ADDRESS or starts a local one."""
     plot_every: int = Field(10, ge=1)
     """Rewrite the progress plot every this many steps."""
+    dump_rollouts: bool = False
+    """Debug: write every step's scored samples (uid, sample index, worker, policy version, reward, text) to
+    `rollouts/step_NNNNNN.jsonl` in the run directory."""
+
+
+class RFTConfig(Section):
+    """`fleetrl rft`: rejection-sampling fine-tuning (the other sections give prompts, G, learner, engines)."""
+
+    rounds: int = Field(10, ge=1, le=100000)
+    """Rounds of generate -> keep verified-correct samples -> one supervised update -> push weights."""
+    threshold: float = Field(1.0, ge=-1e6, le=1e6)
+    """A sample is kept when its summed reward is >= this (1.0 with the `math` reward: a correct answer)."""
 
 
 class FleetConfig(Section):
@@ -370,6 +436,7 @@ class FleetConfig(Section):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    rft: RFTConfig = Field(default_factory=RFTConfig)
 
     @model_validator(mode="after")
     def _check_batch_split(self) -> FleetConfig:
@@ -386,6 +453,17 @@ class FleetConfig(Section):
                 f"each rank's shard of {per_rank} sequences must split evenly into "
                 f"learner.micro_batch_size = {self.learner.micro_batch_size}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_async(self) -> FleetConfig:
+        if self.rollout.mode == "one_step_off":
+            if self.rollout.max_staleness < 1:
+                raise ValueError("rollout.mode=one_step_off trains on samples one policy version old: it needs "
+                                 f"rollout.max_staleness >= 1 (got {self.rollout.max_staleness})")
+            if self.algorithm.tis_cap is None:
+                raise ValueError("rollout.mode=one_step_off needs the truncated-IS correction: set "
+                                 "algorithm.tis_cap (e.g. 2.0), not null")
         return self
 
     @property

@@ -95,4 +95,5 @@ def progress_line(m: dict) -> str:
             f" acc {m.get('train/accuracy', float('nan')):.3f}{ev} loss {m.get('loss', float('nan')):+.4f}"
             f" kl {m.get('kl', float('nan')):.4f} sync_diff {m.get('weight_sync/logprob_max_diff', float('nan')):.1e}"
             f" | gen {m.get('time/generate_s', 0):.2f}s learn {m.get('time/learn_s', 0):.2f}s"
-            f" sync {m.get('time/sync_s', 0):.2f}s step {m.get('time/step_s', 0):.2f}s")
+            f" sync {m.get('time/sync_s', 0):.2f}s step_time {m.get('time/step_s', 0):.2f}s"
+            f" tok/s {m.get('throughput/tokens_per_s', 0):.0f}")

@@ -15,6 +15,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from learner.batch import TrainBatch
 from learner.worker import LearnerWorker, ds_config
 from orchestrator.config import FleetConfig
+from rewards.reward_model import RewardModelWorker
 from rewards.tasks import Prompt
 from rewards.worker import RewardWorker
 from workers.records import Sample, ScoredSample
@@ -59,16 +60,36 @@ class ActorPool:
                     self.restarts, self.max_restarts)
         with contextlib.suppress(Exception):
             ray.kill(self.workers[index], no_restart=True)
-        try:
-            self.workers[index] = self._spawn(index, f"{self.role}-{index}")
-        except ValueError:  # the dead actor's name is not released yet
-            self.workers[index] = self._spawn(index, f"{self.role}-{index}-r{self.restarts}")
+        self.workers[index] = self._spawn_named(index, f"r{self.restarts}")
         self._after_restart(self.workers[index])
         self.recovery_s = time.perf_counter() - t0
         log.warning("%s-%d replaced in %.1fs", self.role, index, self.recovery_s)
 
+    def _spawn_named(self, index: int, suffix: str):
+        try:
+            return self._spawn(index, f"{self.role}-{index}")
+        except ValueError:  # a dead actor's name is not released yet
+            return self._spawn(index, f"{self.role}-{index}-{suffix}")
+
     def _after_restart(self, worker) -> None:
         pass
+
+    def resize(self, count: int) -> None:
+        """Grow or shrink the pool to ``count`` workers. Called between calls (nothing is in flight), so no
+        work is lost or done twice; a new worker is made ready (e.g. gets the current weights) before it is
+        used. Resource requests are plain Ray requests: on an autoscaling cluster they add nodes."""
+        if count < 1:
+            raise ValueError(f"a {self.role} pool needs at least 1 worker, got {count}")
+        t0 = time.perf_counter()
+        before = len(self.workers)
+        while len(self.workers) > count:
+            ray.kill(self.workers.pop(), no_restart=True)
+        new = [self._spawn_named(i, f"s{time.monotonic_ns()}") for i in range(len(self.workers), count)]
+        for w in new:
+            self._after_restart(w)
+        self.workers.extend(new)
+        if count != before:
+            log.info("%s pool resized %d -> %d in %.1fs", self.role, before, count, time.perf_counter() - t0)
 
     def fan_out(self, call, parts: list) -> list:
         """``call(worker, part)`` -> ObjectRef on every worker with a non-empty part; results in part order."""
@@ -105,6 +126,7 @@ class RolloutPool(ActorPool):
         actor = ray.remote(RolloutWorker).options(
             name=name, num_cpus=r.num_cpus, num_gpus=r.num_gpus * r.tensor_parallel_size,
             runtime_env={"env_vars": CPU_ENV}, scheduling_strategy="SPREAD", max_concurrency=1,
+            resources=r.resources or None,
         )
         return actor.remote(
             self.cfg.model.path, self.cfg.model.dtype, self.max_model_len, r.kv_cache_gib,
@@ -128,18 +150,22 @@ class RolloutPool(ActorPool):
 
 
 class RewardPool(ActorPool):
-    """The `reward-i` actors. ``score`` spreads samples over workers and keeps order."""
+    """The `reward-i` actors. ``score`` spreads samples over workers and keeps order. With ``reward.model.path``
+    set, the `reward-model-i` actors (:class:`RewardModelPool`) also score every sample: component
+    ``reward_model``, added to the reward with weight ``reward.model.weight``."""
 
     role = "reward"
 
     def __init__(self, cfg: FleetConfig):
         self.cfg = cfg
         super().__init__(cfg.reward.num_workers, cfg.reward.max_restarts)
+        self.model_pool = RewardModelPool(cfg) if cfg.reward.model.path else None
 
     def _spawn(self, index: int, name: str):
         rc = self.cfg.reward
         specs = [(f.name, f.weight, f.params) for f in rc.functions]
-        return ray.remote(RewardWorker).options(name=name, num_cpus=rc.num_cpus).remote(specs, rc.timeout_s, rc.strict)
+        return ray.remote(RewardWorker).options(name=name, num_cpus=rc.num_cpus, resources=rc.resources or None,
+                                                scheduling_strategy="SPREAD").remote(specs, rc.timeout_s, rc.strict)
 
     def score(self, samples: list[Sample]) -> tuple[list[ScoredSample], int]:
         parts = _chunks(samples, len(self.workers))
@@ -150,7 +176,35 @@ class RewardPool(ActorPool):
             results.extend(out)
             errors += errs
         scored = [ScoredSample(s, r.reward, r.components) for s, r in zip(samples, results)]
+        if self.model_pool:
+            weight = self.cfg.reward.model.weight
+            for x, value in zip(scored, self.model_pool.score(samples)):
+                x.components["reward_model"] = value
+                x.reward += weight * value
         return scored, errors
+
+
+class RewardModelPool(ActorPool):
+    """The `reward-model-i` actors, each hosting the reward model of ``reward.model.path``. ``score`` spreads
+    samples over workers and keeps order; a dead actor is replaced and its share re-scored (budget
+    ``reward.max_restarts``)."""
+
+    role = "reward-model"
+
+    def __init__(self, cfg: FleetConfig):
+        self.cfg = cfg
+        super().__init__(cfg.reward.model.num_workers, cfg.reward.max_restarts)
+
+    def _spawn(self, index: int, name: str):
+        rm = self.cfg.reward.model
+        actor = ray.remote(RewardModelWorker).options(name=name, num_cpus=rm.num_cpus, scheduling_strategy="SPREAD")
+        return actor.remote(rm.path, rm.batch_size, self.cfg.model.dtype, self.cfg.trainer.torch_threads)
+
+    def score(self, samples: list[Sample]) -> list[float]:
+        """The reward model's score of each sample, in order."""
+        outs = self.fan_out(lambda w, part: w.score.remote([(s.prompt_text, s.completion_text) for s in part]),
+                            _chunks(samples, len(self.workers)))
+        return [v for out in outs for v in out]
 
 
 def _free_port() -> int:
@@ -171,8 +225,8 @@ class LearnerGroup:
         lr = cfg.algorithm.critic_lr if role == "critic" else lc.lr
         loss_kwargs = cfg.algorithm.critic_loss_kwargs() if role == "critic" else cfg.algorithm.loss_kwargs()
         self.world = lc.num_ranks
-        self.pg = placement_group([{"CPU": lc.num_cpus, "GPU": lc.num_gpus} if lc.num_gpus else {"CPU": lc.num_cpus}
-                                   for _ in range(self.world)], strategy="PACK")
+        bundle = {"CPU": lc.num_cpus, **({"GPU": lc.num_gpus} if lc.num_gpus else {}), **lc.resources}
+        self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy="PACK")
         ray.get(self.pg.ready())
         master_addr = self._bundle0_ip()
         port = lc.master_port or _free_port()
@@ -183,7 +237,7 @@ class LearnerGroup:
                         lc.grad_clip, cfg.model.dtype)
         self.ranks = [
             ray.remote(LearnerWorker).options(
-                name=f"{prefix}-{r}", num_cpus=lc.num_cpus, num_gpus=lc.num_gpus,
+                name=f"{prefix}-{r}", num_cpus=lc.num_cpus, num_gpus=lc.num_gpus, resources=lc.resources or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
             ).remote(r, self.world, master_addr, port, cfg.model.path, cfg.model.dtype, dsc, loss_kwargs,
                      cfg.rollout.temperature, cfg.trainer.seed, cfg.trainer.torch_threads, lc.gradient_checkpointing,
@@ -256,6 +310,6 @@ def get_ranks(refs: list, group: str = "learner") -> list:
 
 
 def gather_metrics(refs: list) -> dict:
-    """Sum the ranks' additive metric shares."""
+    """Sum the ranks' additive metric shares (keys ending in ``_max`` take the max over ranks)."""
     outs = get_ranks(refs)
-    return {k: sum(o[k] for o in outs) for k in outs[0]}
+    return {k: max(o[k] for o in outs) if k.endswith("_max") else sum(o[k] for o in outs) for k in outs[0]}

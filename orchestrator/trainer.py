@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -21,10 +22,11 @@ from learner.advantages import AdvantageInputs
 from learner.batch import TrainBatch, build_batch
 from orchestrator import checkpoint as ckpt
 from orchestrator.config import FleetConfig, dump_config
+from orchestrator.controller import start_controller
 from orchestrator.metrics import MetricsLogger, PhaseTimer, progress_line
 from orchestrator.pools import LearnerDied, LearnerGroup, RewardPool, RolloutPool, gather_metrics
 from rewards.functions import math_reward
-from rewards.tasks import make_task
+from rewards.tasks import make_task_from_config
 from workers.records import ScoredSample
 
 log = logging.getLogger("fleetrl")
@@ -39,6 +41,8 @@ class Trainer:
         self.tokenizer = _load_tokenizer(cfg.model.path) if cfg.algorithm.uses_step_rewards else None
         self.version = 0
         self.start_step = 0
+        self.prefetch = None  # one_step_off: the next step's batch, being generated and scored
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
         self.resume_from = ckpt.resolve(resume, self.run_dir) if resume else None
 
     def start(self) -> None:
@@ -54,6 +58,7 @@ class Trainer:
         self.critic = LearnerGroup(self.cfg, role="critic") if self.cfg.algorithm.uses_critic else None
         self.rollouts = RolloutPool(self.cfg, max_model_len=max_len)
         self.rewards = RewardPool(self.cfg)
+        self.controller = start_controller(self.run_dir.name, len(self.rollouts.workers), len(self.rewards.workers))
         log.info("actors up in %.1fs: %d rollout, %d reward, %d learner ranks", time.perf_counter() - t0,
                  len(self.rollouts.workers), len(self.rewards.workers), self.learner.world)
         if self.resume_from:
@@ -116,6 +121,7 @@ class Trainer:
                 if save_every and (step + 1) % save_every == 0 and not bad_steps:
                     metrics["time/checkpoint_s"] = self.save_checkpoint(step + 1)
             self.metrics.log(metrics)
+            self.controller.report.remote(metrics)
             print(progress_line(metrics), flush=True)
             if last:
                 break
@@ -162,9 +168,16 @@ class Trainer:
 
     def train_step(self, step: int) -> dict:
         timer = PhaseTimer()
-        scored, reward_errors, sampling = self.collect(step, timer)
+        scored, reward_errors, sampling = self.rollout_batch(step, timer)
+        staleness = self._check_staleness(scored)
+        if self.cfg.run.dump_rollouts:
+            self._dump(step, scored)
+        batch = self._to_batch(scored)
         with timer("logprobs"):
-            batch = self.learner.compute_logprobs(self._to_batch(scored))
+            if self.separate_logprob_pass():
+                batch = self.learner.compute_logprobs(batch)
+            else:  # the engine's logprobs are the old logprobs; the reference pass runs inside the update
+                batch.old_logprobs = batch.rollout_logprobs.clone()
             if self.critic:
                 batch.old_values = self.critic.compute_values(batch)
         with timer("advantages"):
@@ -172,10 +185,90 @@ class Trainer:
             batch.advantages, batch.returns = self.advantages(scored, batch, steps)
         with timer("learn"):
             train_metrics = self.learn(batch)
+        with timer("rollout_wait"):  # one_step_off: the engines finish the next batch before they reload
+            queued = self._wait_prefetch()
+        self.apply_scaling()
         with timer("sync"):
             sync_metrics = self.push_weights()
-        return {**self._rollout_metrics(scored, batch, reward_errors), **_rename(train_metrics), **sync_metrics,
-                **sampling, **timer.metrics()}
+        out = {**self._rollout_metrics(scored, batch, reward_errors, train_metrics), **_rename(train_metrics),
+               **sync_metrics, **sampling, **self._timing(timer, train_metrics, queued)}
+        out["rollout/staleness_max"] = staleness
+        out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
+        out["throughput/samples_per_s"] = len(scored) / out["time/step_s"]
+        return out
+
+    def rollout_batch(self, step: int, timer: PhaseTimer) -> tuple[list[ScoredSample], int, dict]:
+        """The step's scored groups. ``sync``: generated now. ``one_step_off``: the batch generated during the
+        previous step (generated now only at the first step or after a resume), and generation of the next
+        batch starts at once with the current weights, concurrently with this step's update."""
+        if self.prefetch is None:
+            out = self.collect(step, timer)
+        else:
+            out, gen_timer = self.prefetch.result()
+            self.prefetch = None
+            for phase, seconds in gen_timer.seconds.items():
+                timer.seconds[f"{phase}_overlapped"] = seconds
+        if self.cfg.rollout.mode == "one_step_off" and step + 1 < self.cfg.trainer.total_steps:
+            self.prefetch = self.pool.submit(self._collect_timed, step + 1)
+        return out
+
+    def _collect_timed(self, step: int):
+        timer = PhaseTimer()
+        return self.collect(step, timer), timer
+
+    def _wait_prefetch(self) -> int:
+        """Block until the in-flight batch is generated and scored; returns how many prompts it holds."""
+        if self.prefetch is None:
+            return 0
+        (scored, _, _), _ = self.prefetch.result()
+        return len({x.sample.prompt_uid for x in scored})
+
+    def separate_logprob_pass(self) -> bool:
+        """Whether old/reference logprobs need their own forward pass before the update (see learner.logprob_pass)."""
+        c = self.cfg
+        reusable = (c.rollout.mode == "sync" and c.learner.epochs == 1 and c.learner.num_minibatches == 1
+                    and c.model.dtype == "float32" and not c.algorithm.uses_critic)
+        return c.learner.logprob_pass == "always" or not reusable
+
+    def _check_staleness(self, scored: list[ScoredSample]) -> int:
+        """How many versions the oldest sample lags the learner; past ``rollout.max_staleness`` is an error."""
+        oldest = min(x.sample.policy_version for x in scored)
+        if self.version - oldest > self.cfg.rollout.max_staleness:
+            raise RuntimeError(f"samples from policy version {oldest} reached the learner at version {self.version}:"
+                               f" more than rollout.max_staleness={self.cfg.rollout.max_staleness} behind")
+        return self.version - oldest
+
+    def apply_scaling(self) -> None:
+        """Resize the rollout and reward pools to what `fleetrl scale` asked for (nothing is in flight here)."""
+        import ray
+
+        want = ray.get(self.controller.desired.remote())
+        self.rollouts.resize(want["rollout"])
+        self.rewards.resize(want["reward"])
+
+    def _timing(self, timer: PhaseTimer, train_metrics: dict, queued: int) -> dict:
+        """Phase times, throughput, and ``time/overhead_s``: step time not spent generating (engines) or in the
+        learner's forward/backward/optimizer. In one_step_off those two overlap, so only the longer counts."""
+        out = timer.metrics()
+        learner_s = out.get("time/logprobs_s", 0.0) + max(train_metrics.get("time/actor_compute_s", 0.0),
+                                                          train_metrics.get("time/critic_compute_s", 0.0))
+        if self.cfg.rollout.mode == "one_step_off":
+            gen = out.get("time/generate_s", 0.0) + out.get("time/generate_overlapped_s", 0.0)
+            busy = max(gen, learner_s + out.get("time/rollout_wait_s", 0.0))
+        else:
+            busy = out.get("time/generate_s", 0.0) + learner_s
+        out["time/overhead_s"] = max(0.0, out["time/step_s"] - busy)
+        out["rollout/queue_depth"] = queued
+        return out
+
+    def _dump(self, step: int, scored: list[ScoredSample]) -> None:
+        out = self.run_dir / "rollouts"
+        out.mkdir(exist_ok=True)
+        rows = [{"uid": x.sample.prompt_uid, "j": x.sample.sample_index, "worker": x.sample.worker,
+                 "policy_version": x.sample.policy_version, "prompt": x.sample.prompt_text,
+                 "completion": x.sample.completion_text, "reward": x.reward, "components": x.components}
+                for x in scored]
+        (out / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     def collect(self, step: int, timer: PhaseTimer) -> tuple[list[ScoredSample], int, dict]:
         """Generate and score the step's groups. With ``rollout.dynamic_sampling`` (DAPO), groups whose rewards
@@ -256,11 +349,15 @@ class Trainer:
         pad = 0
         return build_batch([x.prompt_ids for x in s], [x.completion_ids for x in s], [x.logprobs for x in s], pad)
 
-    def _rollout_metrics(self, scored: list[ScoredSample], batch: TrainBatch, reward_errors: int) -> dict:
+    def _rollout_metrics(self, scored: list[ScoredSample], batch: TrainBatch, reward_errors: int,
+                         train_metrics: dict) -> dict:
         rewards = torch.tensor([s.reward for s in scored])
         correct = [math_reward(x.sample.prompt_text, x.sample.completion_text, x.sample.metadata) for x in scored]
         mask = batch.response_mask.bool()
-        diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask]
+        if "actor/rollout_logprob_gap_max" in train_metrics:  # measured in the update's first pass
+            diff = torch.tensor([train_metrics["actor/rollout_logprob_gap_max"]])
+        else:
+            diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask]
         lengths = mask.sum(-1).float()
         components = {f"reward/{name}": sum(x.components.get(name, 0.0) for x in scored) / len(scored)
                       for name in sorted({k for x in scored for k in x.components})}
@@ -268,8 +365,12 @@ class Trainer:
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
             "reward/errors": reward_errors, "train/accuracy": sum(correct) / len(correct),
             "tokens_generated": int(mask.sum()), "response/length_mean": lengths.mean().item(),
-            "weight_sync/logprob_max_diff": diff.max().item() if diff.numel() else 0.0,
+            # samples of the current version: the learner and the engine must agree (the pushed weights arrived);
+            # older samples (one_step_off) differ by the updates since, which the truncated IS weighs
+            ("weight_sync/logprob_max_diff" if min(x.sample.policy_version for x in scored) == self.version
+             else "rollout/stale_logprob_gap_max"): diff.max().item() if diff.numel() else 0.0,
             "rollout/policy_version_min": min(x.sample.policy_version for x in scored),
+            "rollout/workers": len(self.rollouts.workers), "reward/workers": len(self.rewards.workers),
             "rollout/samples": len(scored), "rollout/unique_prompts": len({x.sample.prompt_uid for x in scored}),
             "faults/rollout_restarts": self.rollouts.restarts, "faults/reward_restarts": self.rewards.restarts,
             "faults/rollout_recovery_s": self.rollouts.recovery_s, "faults/reward_recovery_s": self.rewards.recovery_s,
@@ -325,7 +426,7 @@ def _make_task(cfg: FleetConfig):
     """The built-in task, or a JSONL dataset (``data.path``) with prompts filtered by token length."""
     d = cfg.data
     if d.path is None:
-        return make_task(d.task, max_operand=d.max_operand, seed=d.seed)
+        return make_task_from_config(d)
     from rewards.datasets import DatasetTask
 
     tok = _load_tokenizer(cfg.model.path)

@@ -1,24 +1,26 @@
-"""User datasets: prompts and reference answers from a JSONL file (one JSON object per line).
+"""User datasets: prompts and reference answers from a JSONL file (one JSON object per line) or a Parquet file.
 
-``data.path`` names the file; ``data.prompt_field`` and ``data.answer_field`` map its columns. The GSM8K layout
-(``question``, ``answer`` ending in ``#### n``) is understood: the reference answer is ``n``. A malformed row fails
-with file and line, or, with ``data.skip_invalid``, is skipped and counted. Prompts longer than
-``data.max_prompt_tokens`` are filtered and counted. The eval split is ``data.eval_path`` when given, else the
-last ``data.eval_size`` rows, which are then never trained on.
+``data.path`` names the file (a name ending in ``.parquet`` is read with pyarrow, anything else as JSONL);
+``data.prompt_field`` and ``data.answer_field`` map its columns. The GSM8K layout (``question``, ``answer`` ending
+in ``#### n``) is understood: the reference answer is ``n``. A malformed row fails naming the file and where
+(JSONL: ``file:line``, 1-based; Parquet: ``file: row i``, 0-based as in pandas' ``iloc``), or, with
+``data.skip_invalid``, is skipped and counted; a Parquet file lacking a mapped column fails whatever
+``skip_invalid`` says. Prompts longer than ``data.max_prompt_tokens`` are filtered and counted. The eval split is
+``data.eval_path`` when given, else the last ``data.eval_size`` rows, which are then never trained on.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from rewards.tasks import Prompt
 
 
 class DatasetError(ValueError):
-    """A dataset that cannot be used; the message names the file and line."""
+    """A dataset that cannot be used; the message names the file and the line or row."""
 
 
 def read_rows(path: Path, prompt_field: str, answer_field: str, skip_invalid: bool,
@@ -26,42 +28,81 @@ def read_rows(path: Path, prompt_field: str, answer_field: str, skip_invalid: bo
     """(prompt, answer) pairs and counts of skipped rows."""
     if not path.is_file():
         raise DatasetError(f"data.path: {path} is not a file")
+    if path.suffix == ".parquet":
+        records, decode = _parquet_records(path, (prompt_field, answer_field)), lambda row: row
+    else:
+        records, decode = _jsonl_records(path), _json_object
     rows, counts = [], {"invalid": 0, "too_long": 0}
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                prompt, answer = _parse(line, prompt_field, answer_field)
-            except DatasetError as e:
-                if not skip_invalid:
-                    raise DatasetError(f"{path}:{lineno}: {e} (set data.skip_invalid=true to skip such rows)") from None
-                counts["invalid"] += 1
-                continue
-            if too_long(prompt):
-                counts["too_long"] += 1
-                continue
-            rows.append((prompt, answer))
+    for where, record in records:
+        try:
+            prompt, answer = _parse_row(decode(record), prompt_field, answer_field)
+        except DatasetError as e:
+            if not skip_invalid:
+                raise DatasetError(f"{where}: {e} (set data.skip_invalid=true to skip such rows)") from None
+            counts["invalid"] += 1
+            continue
+        if too_long(prompt):
+            counts["too_long"] += 1
+            continue
+        rows.append((prompt, answer))
     if not rows:
         raise DatasetError(f"{path}: no usable rows ({counts['invalid']} invalid, {counts['too_long']} too long)")
     return rows, counts
 
 
-def _parse(line: str, prompt_field: str, answer_field: str) -> tuple[str, str]:
+def _jsonl_records(path: Path) -> Iterator[tuple[str, str]]:
+    """(``file:line``, line text) for every non-blank line."""
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                yield f"{path}:{lineno}", line
+
+
+def _parquet_records(path: Path, fields: tuple[str, str]) -> Iterator[tuple[str, dict]]:
+    """(``file: row i``, {column: value}) for every row, reading only the mapped columns, in batches."""
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for an unreadable file
+        raise DatasetError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+    missing = [f for f in dict.fromkeys(fields) if f not in pf.schema_arrow.names]
+    if missing:
+        raise DatasetError(f"{path}: missing column(s) {missing} (file has {pf.schema_arrow.names}; see "
+                           "data.prompt_field, data.answer_field)")
+    i = 0
+    for batch in pf.iter_batches(batch_size=4096, columns=list(dict.fromkeys(fields))):
+        for row in batch.to_pylist():
+            yield f"{path}: row {i}", row
+            i += 1
+
+
+def _json_object(line: str) -> dict:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise DatasetError(f"not valid JSON ({e.msg})") from None
     if not isinstance(row, dict):
         raise DatasetError(f"expected a JSON object, got {type(row).__name__}")
+    return row
+
+
+def _parse_row(row: dict, prompt_field: str, answer_field: str) -> tuple[str, str]:
+    """(prompt, reference answer) of one row, whatever the file format; raises DatasetError saying what is wrong."""
     missing = [k for k in (prompt_field, answer_field) if k not in row]
     if missing:
         raise DatasetError(f"missing field(s) {missing} (row has {sorted(row)}; see data.prompt_field, "
                            "data.answer_field)")
     prompt, answer = row[prompt_field], row[answer_field]
     if not isinstance(prompt, str) or not prompt.strip():
-        raise DatasetError(f"field {prompt_field!r} must be a non-empty string")
+        raise DatasetError(f"field {prompt_field!r} must be a non-empty string, got {_short(prompt)}")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise DatasetError(f"field {answer_field!r} must be a string or a number, got {_short(answer)}")
     return prompt, gsm8k_answer(str(answer))
+
+
+def _short(value) -> str:
+    return f"{type(value).__name__} {str(value)[:40]!r}" if value is not None else "null"
 
 
 def gsm8k_answer(answer: str) -> str:

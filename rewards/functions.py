@@ -110,7 +110,7 @@ def choice_reward(prompt: str, completion: str, metadata: dict) -> float:
 
 
 # Modules holding more built-ins (imported on first lookup, so importing this module stays light).
-BUILTIN_MODULES: tuple[str, ...] = ()
+BUILTIN_MODULES: tuple[str, ...] = ("rewards.remote", "rewards.tasks", "rewards.code")
 
 
 def load_builtins() -> None:

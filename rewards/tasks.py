@@ -2,12 +2,31 @@
 
 A task yields :class:`Prompt` records: the text given to the model and the metadata a reward function
 checks against (``metadata["answer"]`` is the reference answer). Nothing is downloaded.
+
+- ``arithmetic``: ``a+b=`` (the embedded default; reward ``math``).
+- ``countdown``: TinyZero's Countdown: reach a target from 3-4 numbers, each used exactly once (reward
+  ``countdown``, defined here).
+- ``multi``: two-operation arithmetic meant to be judged by several rewards at once (``math`` + ``format`` +
+  ``length``, combined by GDPO).
+
+Every task has ``train_batch(step, n, round_)`` (a pure function of seed, step and round, so resume is exact) and
+``eval_set(n)`` (a fixed held-out split that training never draws from). :func:`make_task_from_config` builds
+the configured one from ``data.*``.
 """
 
 from __future__ import annotations
 
+import ast
+import operator
 import random
+import re
+import zlib
+from collections import Counter
 from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import ClassVar, Literal, get_args
+
+from rewards.functions import register_reward
 
 
 @dataclass(frozen=True)
@@ -26,6 +45,9 @@ class ArithmeticTask:
     prompts never come from it. Prompts and answers are plain digits so the embedded character-level model
     can read them.
     """
+
+    config_fields: ClassVar[dict[str, str]] = {"max_operand": "max_operand", "seed": "seed"}
+    """Constructor keyword -> `data.*` field it comes from."""
 
     def __init__(self, max_operand: int = 99, seed: int = 0):
         self.max_operand = max_operand
@@ -69,10 +91,233 @@ class ArithmeticTask:
         return out
 
 
-TASKS = {"arithmetic": ArithmeticTask}
+class GeneratedTask:
+    """Base of the generated tasks: a problem is drawn from a seeded RNG, and whether it belongs to the eval
+    split is a stable hash of its key (CRC32, the same on every machine), so the splits never overlap and the
+    eval split does not depend on the run seed. Subclasses define :meth:`draw`."""
+
+    name: ClassVar[str]
+    config_fields: ClassVar[dict[str, str]] = {"max_operand": "max_operand", "seed": "seed"}
+    eval_fraction: ClassVar[int] = 10
+    """One problem key in this many is held out."""
+    max_draws: ClassVar[int] = 10_000
+    """Attempts at drawing one problem before the settings are declared too narrow."""
+    widen_hint: ClassVar[str] = "data.max_operand"
+    """The settings to raise when they leave too few problems."""
+    seed: int
+
+    def draw(self, rng: random.Random, held_out: bool) -> tuple[str, str, dict] | None:
+        """One problem of the eval (``held_out``) or training split: (key, prompt text, metadata); None when this
+        attempt fell outside the split (decide the key first, so rejected attempts stay cheap)."""
+        raise NotImplementedError
+
+    def in_split(self, key: str, held_out: bool) -> bool:
+        return (zlib.crc32(f"{self.name}:{key}".encode()) % self.eval_fraction == 0) == held_out
+
+    def _draw_from_split(self, rng: random.Random, held_out: bool) -> tuple[str, str, dict]:
+        for _ in range(self.max_draws):
+            problem = self.draw(rng, held_out)
+            if problem is not None:
+                return problem
+        split = "eval" if held_out else "training"
+        raise ValueError(f"task {self.name!r}: no {split} problem in {self.max_draws} draws; the settings leave "
+                         f"too few problems to split (raise {self.widen_hint})")
+
+    def train_batch(self, step: int, n: int, round_: int = 0) -> list[Prompt]:
+        """The ``n`` training prompts of ``step``; extra sampling rounds draw fresh ones."""
+        rng = random.Random(f"{self.seed}:{step}" + (f":{round_}" if round_ else ""))
+        tag = f"s{step}" + (f"r{round_}" if round_ else "")
+        return [Prompt(f"{tag}-{i}", *self._draw_from_split(rng, held_out=False)[1:]) for i in range(n)]
+
+    def eval_set(self, n: int) -> list[Prompt]:
+        """Up to ``n`` distinct held-out prompts, fixed for given task settings."""
+        rng = random.Random(f"{self.name}-eval")
+        seen, out = set(), []
+        for _ in range(50 * n):
+            if len(out) == n:
+                break
+            key, text, meta = self._draw_from_split(rng, held_out=True)
+            if key not in seen:
+                seen.add(key)
+                out.append(Prompt(f"eval-{len(out)}", text, meta))
+        return out
 
 
-def make_task(name: str, **kwargs) -> ArithmeticTask:
+PromptStyle = Literal["text", "compact"]
+"""``text``: instructions in words, for real models; ``compact``: the embedded model's character vocabulary."""
+_PROMPT_STYLES = get_args(PromptStyle)
+
+
+def _check_style(task: str, style: str) -> None:
+    if style not in _PROMPT_STYLES:
+        raise ValueError(f"task {task!r}: prompt_style must be one of {_PROMPT_STYLES}, got {style!r}")
+
+
+class CountdownTask(GeneratedTask):
+    """Countdown (TinyZero): given 3-4 numbers in [1, max_operand] and a target, write an arithmetic expression
+    with ``+ - * /`` and parentheses that uses each number exactly once and equals the target.
+
+    Solvable by construction: the target is the value of a random expression tree over all the numbers (random
+    pairings and operators; ``/`` only where it divides exactly), kept when it is an integer in [1, max_target].
+    A problem's split is decided by its sorted numbers, so eval number sets never appear in training.
+
+    ``prompt_style="text"``: TinyZero's instruction with ``<think>`` / ``<answer>`` tags. ``"compact"``: ``(n1 n2
+    n3) target=`` in the embedded model's character vocabulary (``0-9 + - * ( ) =``, so the generator uses no
+    ``/`` there). metadata: ``{"answer": str(target), "numbers": [...], "target": target, "solution": expr}``.
+    """
+
+    name = "countdown"
+    config_fields = {"max_operand": "max_operand", "seed": "seed", "min_numbers": "countdown_min_numbers",
+                     "max_numbers": "countdown_max_numbers", "max_target": "countdown_max_target",
+                     "prompt_style": "prompt_style"}
+    widen_hint = "data.max_operand or data.countdown_max_target"
+    expression_tries: ClassVar[int] = 20
+    """Random expressions tried over one set of numbers for a target within range."""
+
+    def __init__(self, max_operand: int = 99, seed: int = 0, min_numbers: int = 3, max_numbers: int = 4,
+                 max_target: int = 100, prompt_style: PromptStyle = "text"):
+        if not 2 <= min_numbers <= max_numbers:
+            raise ValueError(f"task 'countdown': need 2 <= min_numbers <= max_numbers, got {min_numbers}, "
+                             f"{max_numbers}")
+        _check_style(self.name, prompt_style)
+        self.max_operand, self.seed, self.max_target = max_operand, seed, max_target
+        self.min_numbers, self.max_numbers, self.prompt_style = min_numbers, max_numbers, prompt_style
+        self.ops = "+-*/" if prompt_style == "text" else "+-*"
+
+    def draw(self, rng: random.Random, held_out: bool) -> tuple[str, str, dict] | None:
+        numbers = [rng.randint(1, self.max_operand) for _ in range(rng.randint(self.min_numbers, self.max_numbers))]
+        key = ",".join(map(str, sorted(numbers)))
+        if not self.in_split(key, held_out):
+            return None
+        for _ in range(self.expression_tries):
+            target, expr = _random_expression(rng, numbers, self.ops)
+            if 1 <= target <= self.max_target:
+                meta = {"answer": str(target), "numbers": numbers, "target": target, "solution": expr}
+                return key, self.prompt(numbers, target), meta
+        return None
+
+    def prompt(self, numbers: list[int], target: int) -> str:
+        if self.prompt_style == "compact":
+            return f"({' '.join(map(str, numbers))}) {target}="
+        return (f"Using the numbers {numbers}, create an equation that equals {target}. You can use basic "
+                "arithmetic operations (+, -, *, /) and parentheses, and each number must be used exactly once. "
+                "Show your work in <think> </think> tags and return the final equation in <answer> </answer> "
+                "tags, for example <answer> (1 + 2) / 3 </answer>.")
+
+
+def _random_expression(rng: random.Random, numbers: list[int], ops: str) -> tuple[int, str]:
+    """Value and text of a random binary expression tree using every number once (``/`` only where exact, so
+    every intermediate value is an integer)."""
+    items = [(n, str(n)) for n in numbers]
+    while len(items) > 1:
+        i, j = rng.sample(range(len(items)), 2)
+        (a, ea), (b, eb) = items[i], items[j]
+        op = rng.choice([o for o in ops if o != "/" or (b != 0 and a % b == 0)])
+        merged = (_INT_OPS[op](a, b), f"({ea}{op}{eb})")
+        items = [x for k, x in enumerate(items) if k not in (i, j)] + [merged]
+    value, expr = items[0]
+    return value, expr[1:-1] if expr.startswith("(") else expr
+
+
+_INT_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
+_EXPRESSION_RUN = re.compile(r"[\d+\-*/()\s]*\d[\d+\-*/()\s]*")
+_TRAILING_RESULT = re.compile(r"=\s*-?\d+\s*$")
+_MAX_EXPRESSION_CHARS = 200
+
+
+def countdown_expression(completion: str) -> str | None:
+    """The expression a completion answers with: the last ``<answer>...</answer>`` content if any, else the
+    whole completion; a trailing ``= <number>`` is dropped, then the last run of ``0-9 + - * / ( )`` and spaces
+    that holds a digit is taken."""
+    tags = _ANSWER_TAG.findall(completion)
+    text = _TRAILING_RESULT.sub("", (tags[-1] if tags else completion).strip())
+    runs = _EXPRESSION_RUN.findall(text)
+    return runs[-1].strip() if runs else None
+
+
+def evaluate_expression(expr: str) -> tuple[Fraction, list[int]] | None:
+    """Exact value and the integer literals of an expression made only of non-negative integers, binary
+    ``+ - * /`` and parentheses (parsed with ``ast``, never ``eval``); None when it is anything else or divides
+    by zero."""
+    if len(expr) > _MAX_EXPRESSION_CHARS:
+        return None
+    used: list[int] = []
+
+    def value(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            used.append(node.value)
+            return Fraction(node.value)
+        raise ValueError(f"not allowed in a countdown expression: {ast.dump(node)[:40]}")
+
+    try:
+        return value(ast.parse(expr, mode="eval").body), used
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, MemoryError):
+        return None
+
+
+@register_reward("countdown")
+def countdown_reward(prompt: str, completion: str, metadata: dict, use_all: bool = True,
+                     format_score: float = 0.0) -> float:
+    """1.0 when the completion's expression (see :func:`countdown_expression`) uses the numbers of
+    ``metadata["numbers"]`` (each exactly once; with ``use_all=False`` each at most once) and equals
+    ``metadata["target"]`` (else ``metadata["answer"]``) exactly; ``format_score`` when it is a well-formed
+    expression that fails either check (TinyZero gives 0.1); else 0.0."""
+    expr = countdown_expression(completion)
+    parsed = evaluate_expression(expr) if expr else None
+    if parsed is None:
+        return 0.0
+    value, used = parsed
+    given, allowed = Counter(used), Counter(int(n) for n in metadata["numbers"])
+    numbers_ok = given == allowed if use_all else not given - allowed
+    target = Fraction(str(metadata.get("target", metadata["answer"])))
+    return 1.0 if numbers_ok and value == target else float(format_score)
+
+
+class MultiTask(GeneratedTask):
+    """Two-operation arithmetic ``a o1 b o2 c`` (``o`` in ``+ - *``, usual precedence; operands in [0,
+    max_operand]) for multi-reward training: configure the ``math`` (correct final number), ``format``
+    (``<think>...</think> answer``) and ``length`` (overlong penalty) rewards and ``algorithm.name: gdpo``,
+    which normalizes each component within its group before combining them.
+
+    ``prompt_style="text"`` asks for the think format in words (for real models; the embedded character model
+    cannot write ``<think>``). ``"compact"`` is ``a*b+c=`` in the embedded vocabulary; use ``math`` + ``length``
+    with it. The split is decided by the expression text.
+    """
+
+    name = "multi"
+    config_fields = {"max_operand": "max_operand", "seed": "seed", "prompt_style": "prompt_style"}
+
+    def __init__(self, max_operand: int = 99, seed: int = 0, prompt_style: PromptStyle = "text"):
+        _check_style(self.name, prompt_style)
+        self.max_operand, self.seed, self.prompt_style = max_operand, seed, prompt_style
+
+    def draw(self, rng: random.Random, held_out: bool) -> tuple[str, str, dict] | None:
+        a, b, c = (rng.randint(0, self.max_operand) for _ in range(3))
+        expr = f"{a}{rng.choice('+-*')}{b}{rng.choice('+-*')}{c}"
+        if not self.in_split(expr, held_out):
+            return None
+        answer = str(evaluate_expression(expr)[0])
+        if self.prompt_style == "compact":
+            return expr, f"{expr}=", {"answer": answer}
+        text = (f"Compute {expr}. Think step by step inside <think> </think> tags, then write only the final "
+                "number after </think>.")
+        return expr, text, {"answer": answer}
+
+
+TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "multi": MultiTask}
+
+
+def make_task(name: str, **kwargs) -> ArithmeticTask | GeneratedTask:
     if name not in TASKS:
         raise KeyError(f"unknown task {name!r}; valid: {sorted(TASKS)}")
     return TASKS[name](**kwargs)
+
+
+def make_task_from_config(data) -> ArithmeticTask | GeneratedTask:
+    """The task ``data.task`` names, with the ``data.*`` fields it declares in ``config_fields``."""
+    cls = TASKS[data.task]
+    return cls(**{kw: getattr(data, attr) for kw, attr in cls.config_fields.items()})

@@ -38,6 +38,8 @@ class RewardWorker:
         """``specs``: (name, weight, params) per function; params are bound as keyword arguments."""
         self.fns = [(name, functools.partial(load_reward_function(name), **params), weight)
                     for name, weight, params in specs]
+        for _, fn, _ in self.fns:  # a function may check its prerequisites here (the code reward: its sandbox)
+            getattr(fn.func, "preflight", lambda **_: None)(**fn.keywords)
         self.timeout_s = timeout_s
         self.strict = strict
         self.errors = 0

@@ -1,5 +1,6 @@
-"""JSONL datasets: field mapping, the GSM8K layout, and bad rows reported with file and line."""
+"""JSONL and Parquet datasets: field mapping, the GSM8K layout, and bad rows reported with file and line/row."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +60,68 @@ def test_cli_bad_dataset_exits_2_before_ray(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "d.jsonl:2: missing field" in r.stderr
     assert "Started a local Ray instance" not in r.stderr
+
+
+# --- Parquet: the same mapping, GSM8K handling and row checks as JSONL ---------------------------------------
+
+def _parquet(tmp_path, columns: dict, name="train.parquet"):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = tmp_path / name
+    pq.write_table(pa.table(columns), f, row_group_size=2)  # several row groups: row numbers must run across them
+    return f
+
+
+def test_parquet_gsm8k_layout_matches_jsonl(tmp_path):
+    rows = [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]
+    f = _parquet(tmp_path, {"question": [r["question"] for r in rows], "answer": [r["answer"] for r in rows],
+                            "extra": list(range(len(rows)))})
+    pq_task = DatasetTask(str(f), "question", "answer", False, eval_size=2, seed=0)
+    jsonl_task = DatasetTask(str(SAMPLE), "question", "answer", False, eval_size=2, seed=0)
+    assert pq_task.train_rows == jsonl_task.train_rows and pq_task.eval_rows == jsonl_task.eval_rows
+    assert pq_task.eval_set(2)[0].metadata["answer"] == "300"
+    assert [p.text for p in pq_task.train_batch(5, 3)] == [p.text for p in jsonl_task.train_batch(5, 3)]
+
+
+def test_parquet_custom_columns_and_numeric_answers(tmp_path):
+    f = _parquet(tmp_path, {"problem": ["1+1=", "2+3=", "7*6=", "9-4="], "solution": [2, 5, 42, 5],
+                            "source": ["a", "b", "c", "d"]})
+    task = DatasetTask(str(f), "problem", "solution", False, eval_size=1, seed=0)
+    assert task.train_rows == [("1+1=", "2"), ("2+3=", "5"), ("7*6=", "42")] and task.eval_rows == [("9-4=", "5")]
+    assert math_reward("9-4=", "5", task.eval_set(1)[0].metadata) == 1.0
+
+
+def test_parquet_missing_column_fails_even_with_skip_invalid(tmp_path):
+    f = _parquet(tmp_path, {"prompt": ["1+1=", "2+2="], "label": ["2", "4"]})
+    for skip in (False, True):
+        with pytest.raises(DatasetError, match=r"train\.parquet: missing column\(s\) \['answer'\] \(file has "
+                                               r"\['prompt', 'label'\]"):
+            DatasetTask(str(f), "prompt", "answer", skip, eval_size=1, seed=0)
+
+
+def test_parquet_null_prompt_names_the_row_or_is_skipped(tmp_path):
+    prompts = [f"{i}+1=" for i in range(6)]
+    prompts[4] = None  # row 4 (0-based), in the third row group
+    f = _parquet(tmp_path, {"prompt": prompts, "answer": [str(i + 1) for i in range(6)]})
+    with pytest.raises(DatasetError, match=r"train\.parquet: row 4: field 'prompt' must be a non-empty string, "
+                                           r"got null \(set data\.skip_invalid=true"):
+        DatasetTask(str(f), "prompt", "answer", False, eval_size=1, seed=0)
+    task = DatasetTask(str(f), "prompt", "answer", True, eval_size=1, seed=0)
+    assert task.counts == {"invalid": 1, "too_long": 0} and len(task.train_rows) == 4
+    assert "4+1=" not in {r[0] for r in task.train_rows + task.eval_rows}
+
+
+def test_parquet_null_answer_and_long_prompts(tmp_path):
+    f = _parquet(tmp_path, {"prompt": ["1+1=", "9" * 50, "3+3=", "4+4="], "answer": ["2", "1", None, "8"]})
+    with pytest.raises(DatasetError, match=r"row 2: field 'answer' must be a string or a number, got null"):
+        DatasetTask(str(f), "prompt", "answer", False, eval_size=1, seed=0, too_long=lambda p: len(p) > 10)
+    task = DatasetTask(str(f), "prompt", "answer", True, eval_size=1, seed=0, too_long=lambda p: len(p) > 10)
+    assert task.counts == {"invalid": 1, "too_long": 1} and task.train_rows == [("1+1=", "2")]
+
+
+def test_not_a_parquet_file(tmp_path):
+    f = tmp_path / "broken.parquet"
+    f.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    with pytest.raises(DatasetError, match=r"broken\.parquet: not a readable Parquet file"):
+        DatasetTask(str(f), "prompt", "answer", False, eval_size=1, seed=0)

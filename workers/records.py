@@ -19,6 +19,7 @@ class Sample:
     finish_reason: str  # "stop" (EOS) or "length"
     policy_version: int  # version of the weights that generated it
     metadata: dict = field(default_factory=dict)  # task metadata (reference answer, ...)
+    worker: str = ""  # name of the rollout actor that generated it
 
 
 @dataclass

@@ -45,6 +45,7 @@ class RolloutWorker:
         self.tokenizer = self.llm.get_tokenizer()
         self.policy_version = 0
         self.generated_tokens = 0
+        self.name = _actor_name()
 
     def generate(self, prompts: list[tuple[str, str, dict]], group_size: int, max_new_tokens: int,
                  temperature: float, top_p: float, seed: int | None) -> list[Sample]:
@@ -74,6 +75,7 @@ class RolloutWorker:
                 prompt_uid=uid, sample_index=k % group_size, prompt_text=text, prompt_ids=list(out.prompt_token_ids),
                 completion_ids=token_ids, logprobs=logprobs, completion_text=comp.text,
                 finish_reason=comp.finish_reason or "length", policy_version=self.policy_version, metadata=meta,
+                worker=self.name,
             ))
             self.generated_tokens += len(token_ids)
         return samples
@@ -109,6 +111,16 @@ def _sample_seed(seed: int, uid: str, j: int) -> int:
     import zlib
 
     return (seed * 1_000_003 + zlib.crc32(f"{uid}/{j}".encode())) % (2**31 - 1)
+
+
+def _actor_name() -> str:
+    """This actor's Ray name ('' outside Ray)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_actor_name() or ""
+    except Exception:  # noqa: BLE001 - not in a Ray worker
+        return ""
 
 
 def _on_cpu() -> bool:

@@ -1,0 +1,95 @@
+"""End to end: fleetrl GRPO vs TRL's GRPOTrainer, seconds per step and completions per second.
+
+    python -m bench.end_to_end [--quick]
+
+Two cases at identical model, task, prompts per step, G, completion cap, sampling, learning rate and epochs:
+
+* ``small``: the embedded default (0.6 M params, 16 prompts x G=8, answers of <= 8 tokens): per-step overhead.
+* ``gen_heavy``: ``configs/gen_heavy.yaml`` (~24 M params, 8 prompts x G=8, exactly 128 tokens each).
+
+fleetrl runs as ``python -m orchestrator train -c <config>`` (2 vLLM rollout actors, 1 reward actor, 2 DeepSpeed
+ranks), once per ``rollout.mode`` this checkout supports (``sync``, ``one_step_off``); TRL runs in one process
+with 2 torch threads (:mod:`bench.trl_grpo`). Each system's first steps are warm-up and dropped; the median of
+the rest is reported. Start-up (Ray, engines, DeepSpeed; TRL's imports) is excluded from both.
+"""
+
+from __future__ import annotations
+
+from bench.build_models import model_path
+from bench.common import (fleetrl_supports, median, parse_args, print_table, require_model, run_fleetrl, run_trl,
+                          save_result, training_rows)
+
+EMBEDDED = ".fleetrl/models/arith-base"
+
+# name: config file, model (path, bench preset or None), P, G, L, fleetrl steps, TRL steps, warm-up steps dropped
+FULL = {
+    "small": dict(config="configs/default.yaml", model=EMBEDDED, preset=None, P=16, G=8, L=8, steps=30,
+                  trl_steps=30, skip=5),
+    "gen_heavy": dict(config="configs/gen_heavy.yaml", model=str(model_path("gen-heavy")), preset="gen-heavy",
+                      P=8, G=8, L=128, steps=5, trl_steps=4, skip=1),
+}
+QUICK = {
+    "small": dict(FULL["small"], steps=4, trl_steps=4, skip=1),
+    "gen_heavy": dict(FULL["gen_heavy"], model=str(model_path("gen-tiny")), preset="gen-tiny", P=4, G=4, L=32,
+                      steps=3, trl_steps=3, skip=1),
+}
+LR = 3e-5
+
+
+def fleetrl_case(name: str, c: dict, mode: str) -> dict:
+    """One fleetrl run; per-step medians of its metrics after the warm-up steps."""
+    overrides = [f"model.path={c['model']}", f"data.prompts_per_step={c['P']}", f"rollout.group_size={c['G']}",
+                 f"rollout.max_new_tokens={c['L']}", f"learner.lr={LR}", "learner.epochs=1",
+                 f"trainer.total_steps={c['steps']}", "trainer.eval_every=0"]
+    if mode != "sync":
+        overrides.append(f"rollout.mode={mode}")
+    run = run_fleetrl(f"e2e-{name}-fleetrl-{mode}", c["config"], overrides)
+    rows = training_rows(run["rows"], c["skip"])
+    step_s = median(r["time/step_s"] for r in rows)
+    out = {"system": f"fleetrl ({mode})", "step_s": step_s, "completions_per_s": c["P"] * c["G"] / step_s,
+           "tokens_per_s": median(r["tokens_generated"] / r["time/step_s"] for r in rows),
+           "mean_len": median(r["response/length_mean"] for r in rows), "steps_measured": len(rows),
+           "command": run["command"]}
+    for key in ("time/generate_s", "time/generate_overlapped_s", "time/logprobs_s", "time/learn_s", "time/sync_s",
+                "time/overhead_s", "time/rollout_wait_s"):
+        if any(key in r for r in rows):
+            out[key] = median(r.get(key, 0.0) for r in rows)
+    return out
+
+
+def trl_case(name: str, c: dict) -> dict:
+    """One TRL run; median step seconds after the warm-up steps (timed by the bench callback)."""
+    report = run_trl(f"e2e-{name}-trl", [
+        "--model", c["model"], "--prompts-per-step", str(c["P"]), "--group-size", str(c["G"]),
+        "--max-tokens", str(c["L"]), "--lr", str(LR), "--epochs", "1", "--steps", str(c["trl_steps"])])
+    steps = report["steps"][c["skip"]:]
+    lens = [float(x["completions/mean_length"]) for x in report["logs"] if "completions/mean_length" in x]
+    step_s = median(s["step_s"] for s in steps)
+    return {"system": "TRL GRPOTrainer", "step_s": step_s, "completions_per_s": c["P"] * c["G"] / step_s,
+            "tokens_per_s": c["P"] * c["G"] * median(lens[c["skip"]:]) / step_s,
+            "mean_len": median(lens[c["skip"]:]), "steps_measured": len(steps), "command": report["command"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(__doc__, argv)
+    cases = QUICK if args.quick else FULL
+    modes = ["sync"] + (["one_step_off"] if fleetrl_supports("rollout.mode=one_step_off") else [])
+    results, rows = {}, []
+    for name, c in cases.items():
+        require_model(c["model"], c["preset"])
+        trl = trl_case(name, c)
+        runs = [fleetrl_case(name, c, mode) for mode in modes] + [trl]
+        results[name] = {"settings": {**c, "lr": LR}, "runs": runs}
+        for r in runs:
+            rows.append([name, r["system"], r["step_s"], r["completions_per_s"], r["tokens_per_s"], r["mean_len"],
+                         r["completions_per_s"] / trl["completions_per_s"], r.get("time/generate_s", ""),
+                         r.get("time/learn_s", ""), r.get("time/overhead_s", "")])
+    print_table("end to end: fleetrl GRPO vs TRL GRPOTrainer (median over measured steps)",
+                ["case", "system", "s/step", "completions/s", "tokens/s", "mean completion len", "vs TRL",
+                 "generate s", "learn s", "overhead s"], rows)
+    save_result("end_to_end", args.quick, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

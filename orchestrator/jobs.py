@@ -1,0 +1,130 @@
+"""Ray cluster operations: submit a training run as a Ray job, show its status, scale its pools while it runs.
+
+``fleetrl submit`` uses Ray's job SDK (``JobSubmissionClient``), which sends Ray's auth token (``RAY_AUTH_TOKEN``,
+``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``) when the cluster has token authentication on (the default in Ray
+2.60), so token auth stays on. The documented plain form works the same:
+``ray job submit --working-dir . -- python -m orchestrator train -c cfg.yaml``.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import time
+from pathlib import Path
+
+from orchestrator.config import ConfigError, load_config
+
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+# never uploaded with the working dir (Ray also skips what .gitignore lists)
+EXCLUDES = ["runs/", ".venv/", ".git/", "**/checkpoints/", "**/__pycache__/", "bench/results/", "*.safetensors"]
+_PAIR = re.compile(r"([a-z_/]+)\s+([-+]?(?:\d+(?:\.\d+)?(?:e[-+]?\d+)?|nan))")
+_KEYS = {"step": "step", "reward": "reward", "acc": "train_accuracy", "eval": "eval_accuracy",
+         "step_time": "step_seconds", "tok/s": "tokens_per_second"}
+
+
+def job_address(address: str | None) -> str:
+    """The job API (dashboard) address: --address, else RAY_ADDRESS when it is an http URL, else local."""
+    import os
+
+    env = os.environ.get("RAY_ADDRESS", "")
+    return address or (env if env.startswith("http") else DEFAULT_ADDRESS)
+
+
+def submit(config: str | None, overrides: list[str], address: str | None, python: str = "python",
+           env: dict[str, str] | None = None) -> str:
+    """Validate the config here (nothing is submitted when it is bad), then submit the driver as a Ray job with
+    the current directory as its working dir. Returns the job id."""
+    from ray.job_submission import JobSubmissionClient
+
+    cfg = load_config(config, overrides)
+    if config is not None:
+        rel = Path(config).resolve()
+        if not rel.is_relative_to(Path.cwd()):
+            raise ConfigError(f"config file {config} must be inside the working directory {Path.cwd()} (it is "
+                              "uploaded with it); copy it there or pass its settings as overrides")
+        config = str(rel.relative_to(Path.cwd()))
+    run = Path(cfg.run.dir).name
+    args = ["-m", "orchestrator", "train", *(["-c", config] if config else []), *overrides]
+    entrypoint = " ".join(shlex.quote(a) for a in [python, *args])
+    client = JobSubmissionClient(job_address(address))
+    return client.submit_job(
+        entrypoint=entrypoint, submission_id=f"fleetrl-{run}-{time.strftime('%Y%m%d-%H%M%S')}",
+        runtime_env={"working_dir": ".", "excludes": EXCLUDES,
+                     "env_vars": {"TOKENIZERS_PARALLELISM": "false", **(env or {})}},
+        metadata={"fleetrl_run": run, "fleetrl_config": config or ""},
+    )
+
+
+def latest_job(client) -> str:
+    jobs = [j for j in client.list_jobs() if (j.submission_id or "").startswith("fleetrl-")]
+    if not jobs:
+        raise LookupError("no fleetrl job on this cluster (submit one with `fleetrl submit`)")
+    return max(jobs, key=lambda j: j.start_time or 0).submission_id
+
+
+def job_status(job_id: str | None, address: str | None) -> dict:
+    """State of a fleetrl job and its latest step (parsed from the driver's progress lines in the job log)."""
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(job_address(address))
+    job_id = job_id or latest_job(client)
+    info = client.get_job_info(job_id)
+    out = {"job": job_id, "status": str(info.status.value if hasattr(info.status, "value") else info.status),
+           "message": info.message or ""}
+    out.update(parse_progress(client.get_job_logs(job_id)))
+    return out
+
+
+def parse_progress(log: str) -> dict:
+    """Latest step, reward, train/eval accuracy and throughput from the driver's progress lines
+    (``orchestrator.metrics.progress_line``)."""
+    found: dict = {}
+    for line in log.splitlines():
+        line = line.strip()
+        if re.match(r"step\s+\d+ v\d+", line):
+            pairs = dict(_PAIR.findall(line))
+            found.update({_KEYS[k]: float(v) for k, v in pairs.items() if k in _KEYS})
+    if "step" in found:
+        found["step"] = int(found["step"])
+    return found
+
+
+def format_status(s: dict) -> str:
+    parts = [f"{s['job']}: {s['status']}"]
+    if "step" not in s:
+        parts.append("(no training step yet)")
+    labels = [("step", "step {}"), ("reward", "reward {:.3f}"), ("train_accuracy", "train acc {:.3f}"),
+              ("eval_accuracy", "eval acc {:.3f}"), ("tokens_per_second", "{:.0f} tok/s"),
+              ("step_seconds", "{:.2f} s/step")]
+    parts += [fmt.format(s[k]) for k, fmt in labels if k in s]
+    return "  ".join(parts + ([s["message"]] if s.get("message") else []))
+
+
+def scale(rollout: int | None, reward: int | None, run: str | None, address: str | None, wait_s: float) -> dict:
+    """Ask a running job's controller for new pool sizes; with ``wait_s`` > 0, wait until the driver applied them.
+    Connects to the cluster as a Ray client (run it on a cluster node, or through `ray job submit`)."""
+    import ray
+
+    from orchestrator.controller import get_controller
+
+    if rollout is None and reward is None:
+        raise ValueError("give --rollout N and/or --reward M")
+    ray.init(address=address if address and not address.startswith("http") else "auto", logging_level="ERROR")
+    ctl = get_controller(run)
+    desired = ray.get(ctl.scale.remote(rollout=rollout, reward=reward))
+    deadline = time.monotonic() + wait_s
+    status = ray.get(ctl.status.remote())
+    while wait_s > 0 and not _applied(status, desired):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the run did not reach {desired} within {wait_s:.0f}s (it applies a resize at the "
+                               f"next step boundary); now: {status.get('rollout/workers')} rollout, "
+                               f"{status.get('reward/workers')} reward")
+        time.sleep(0.5)
+        status = ray.get(ctl.status.remote())
+    return {"desired": desired, "rollout_workers": status.get("rollout/workers"),
+            "reward_workers": status.get("reward/workers"), "step": status.get("step")}
+
+
+def _applied(status: dict, desired: dict) -> bool:
+    return status.get("rollout/workers") == desired["rollout"] and status.get("reward/workers") == desired["reward"]

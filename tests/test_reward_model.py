@@ -1,0 +1,93 @@
+"""The reward-model actor: batching and padding do not change a score; the tiny builder trains and saves a
+loadable model; and end to end, `fleetrl train` with `reward.model.path` adds a `reward_model` component."""
+
+import json
+
+import pytest
+import torch
+
+from rewards.reward_model import RewardModelWorker, build_tiny_reward_model, encode_pairs, load_reward_model
+from tests.test_e2e import ROOT, run_fleetrl
+
+PAIRS = [("12+30=", "42"), ("7+5=", "13"), ("99+99=", "198"), ("1+1=", ""), ("45+9=", "54"), ("3+4=", "7 7 7")]
+
+
+def _save_tiny(path, num_labels=1, causal=False):
+    """A random tiny Qwen2 (sequence classifier or causal LM) with the embedded char tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
+
+    from orchestrator.embedded_model import build_tokenizer
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+                      pad_token_id=0, eos_token_id=1, bos_token_id=2, num_labels=num_labels)
+    model = Qwen2ForCausalLM(cfg) if causal else Qwen2ForSequenceClassification(cfg)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_rm(tmp_path_factory):
+    return _save_tiny(tmp_path_factory.mktemp("rm"))
+
+
+def test_batched_scores_equal_unbatched_and_ignore_padding(tiny_rm):
+    alone = [RewardModelWorker(tiny_rm, batch_size=1).score([p])[0] for p in PAIRS]
+    batched = RewardModelWorker(tiny_rm, batch_size=4).score(PAIRS)
+    assert batched == pytest.approx(alone, abs=1e-5)
+    # the same pair padded next to a much longer one scores the same
+    long = ("1+2=", "3" * 40)
+    padded = RewardModelWorker(tiny_rm, batch_size=8).score([PAIRS[1], long])[0]
+    assert padded == pytest.approx(alone[1], abs=1e-5)
+    assert len(set(round(s, 4) for s in alone)) == len(PAIRS)  # a real function of the text, not a constant
+
+
+def test_score_is_the_logit_at_the_last_token(tiny_rm):
+    tok, model = load_reward_model(tiny_rm)
+    ids = tok("12+30=42", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state[0, -1]
+        expected = float(model.score(hidden)[0])
+    assert RewardModelWorker(tiny_rm, batch_size=2).score([("12+30=", "42")])[0] == pytest.approx(expected, abs=1e-5)
+    padded_ids, attn = encode_pairs(tok, [("12+30=", "42"), ("1+1=", "2")])
+    assert padded_ids[1, -1] == tok.pad_token_id and attn[1].tolist() == [1] * 5 + [0] * 3
+
+
+def test_a_model_with_more_than_one_output_is_refused(tmp_path):
+    path = _save_tiny(tmp_path / "two", num_labels=2)
+    with pytest.raises(ValueError, match="num_labels=2"):
+        RewardModelWorker(path, batch_size=2)
+
+
+def test_tiny_reward_model_builder_trains_and_saves(tmp_path):
+    policy = _save_tiny(tmp_path / "policy", causal=True)
+    summary = build_tiny_reward_model(tmp_path / "rm", policy, steps=5, pairs_per_step=8, num_prompts=32,
+                                      samples_per_prompt=2, log=lambda *_: None)
+    assert summary["train_pairs"] > 0 and summary["steps"] == 5
+    assert 0.0 <= summary["held_out_ranking_accuracy"] <= 1.0
+    assert json.loads((tmp_path / "rm" / "fleetrl_reward_model.json").read_text()) == summary
+    fresh = build_tiny_reward_model(tmp_path / "rm0", policy, steps=0, num_prompts=8, samples_per_prompt=1,
+                                    log=lambda *_: None)
+    assert fresh["steps"] == 0
+    trained = RewardModelWorker(str(tmp_path / "rm"), batch_size=8).score(PAIRS)
+    untrained = RewardModelWorker(str(tmp_path / "rm0"), batch_size=8).score(PAIRS)
+    assert trained != pytest.approx(untrained, abs=1e-4)  # the supervised steps moved the scores
+
+
+@pytest.mark.e2e
+def test_reward_model_actor_end_to_end(tmp_path, tiny_rm):
+    """The real `fleetrl train` with a reward-model actor: every step's reward is the math reward plus
+    weight x the reward-model score, and the run completes."""
+    run_dir = tmp_path / "run"
+    rows = run_fleetrl(run_dir, f"reward.model.path={tiny_rm}", "reward.model.weight=0.5", "reward.model.batch_size=16",
+                       "trainer.total_steps=2", "trainer.eval_every=0", "rollout.num_workers=1", "learner.num_ranks=1",
+                       "learner.zero_stage=0", "learner.lr=1e-3")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows[:2]:
+        assert "reward/reward_model" in r and r["reward/reward_model"] != 0.0
+        assert r["reward/mean"] == pytest.approx(r["reward/math"] + 0.5 * r["reward/reward_model"], abs=1e-5)
+        assert r["weight_sync/logprob_max_diff"] < 1e-3
+    assert (run_dir / "final" / "config.json").exists() and (ROOT / "orchestrator").is_dir()

@@ -1,0 +1,262 @@
+"""Collective weight push: learner rank 0 broadcasts the policy straight into every engine's workers, in buckets.
+
+The default push (``workers/weight_buckets.py``) goes through Ray's object store: learner rank 0 copies the
+weights to CPU, ``ray.put``s them, and every engine fetches them. On a GPU cluster that is one device-to-host
+copy, one object-store transfer per engine and one host-to-device copy per engine for every step. This module
+is the direct path that OpenRLHF, verl, TRL's ``vllm_client`` and vLLM's own ``examples/offline_inference/
+rlhf.py`` / ``rlhf_utils.py`` (and, since then, ``vllm.distributed.weight_transfer.nccl_engine``) use: learner
+rank 0 and every worker of every engine join one extra communicator, a vLLM ``StatelessProcessGroup`` (a
+``TCPStore`` rendezvous that leaves ``torch.distributed``'s global group alone: the learner ranks already have
+theirs, and so do the engines' tensor-parallel workers) carrying a ``PyNcclCommunicator``, and rank 0 broadcasts.
+
+Group layout (one group for the whole run)::
+
+    rank 0                       learner rank 0 (the sender; it binds the rendezvous socket)
+    rank 1 + e * W + r           worker r of engine e, W = workers per engine (tensor x pipeline parallel)
+
+Per push, with ``plans = plan_buckets(param_specs(...), cap)`` computed once by the driver (names, shapes and
+dtypes do not change during a run):
+
+- every learner rank calls :func:`broadcast_weights` (under ZeRO-3 the gather of a bucket's shards is
+  collective); rank 0 packs each bucket into one contiguous uint8 buffer and broadcasts it: one NCCL call per
+  bucket of at most ``rollout.weight_bucket_mb``;
+- at the same time every engine runs ``llm.collective_rpc("fleetrl_receive_weights", args=(plans,))``: each
+  worker receives the buckets into fresh buffers and streams views of them into vLLM's in-place, layer-wise
+  ``reload_weights`` (the same reload as the object-store path in ``workers/vllm_ext.py``).
+
+Backends: ``nccl`` (GPU; vLLM's ``PyNcclCommunicator``) and ``gloo`` (CPU engines; a stateless torch gloo group).
+Only ``gloo`` runs on this project's CPU machine (``tests/test_deploy.py`` pushes weights into a real vLLM CPU
+engine with it); the ``nccl`` branch differs only in :func:`weight_communicator` and is untested here.
+
+vLLM and ``torch.distributed`` are imported inside functions, so this module imports without them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import socket
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from workers.vllm_ext import WeightSyncExtension
+
+ALIGN = 256  # every tensor starts on a 256-byte boundary of its bucket (a valid view for any dtype)
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+               "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+BACKENDS = ("nccl", "gloo")
+
+TensorSpec = tuple[str, Sequence[int], str]  # (name, shape, torch dtype name such as "bfloat16")
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Where each tensor of one bucket sits in the bucket's flat uint8 buffer. Sender and receivers hold the same
+    plan, so only the buffer itself crosses the wire."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    offsets: tuple[int, ...]  # byte offset of each tensor
+    nbytes: int  # buffer length: the aligned end of the last tensor
+
+
+def tensor_nbytes(name: str, shape: Sequence[int], dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"{name}: unsupported dtype {dtype!r}; supported: {sorted(DTYPE_BYTES)}")
+    if any(int(d) < 0 for d in shape):
+        raise ValueError(f"{name}: negative dimension in shape {tuple(shape)}")
+    return math.prod(int(d) for d in shape) * DTYPE_BYTES[dtype]
+
+
+def plan_buckets(specs: Sequence[TensorSpec], cap_bytes: int) -> list[BucketPlan]:
+    """Group tensors, in the given order, into consecutive buckets of at most ``cap_bytes`` (offsets aligned to
+    :data:`ALIGN`). A tensor larger than the cap gets a bucket of its own. Pure: no torch, no devices."""
+    if cap_bytes <= 0:
+        raise ValueError(f"bucket cap must be > 0 bytes, got {cap_bytes}")
+    seen: set[str] = set()
+    buckets: list[BucketPlan] = []
+    current: list[tuple[str, tuple[int, ...], str, int]] = []  # (name, shape, dtype, offset)
+    end = 0
+    for name, shape, dtype in specs:
+        if name in seen:
+            raise ValueError(f"tensor {name!r} appears twice in the weight specs")
+        seen.add(name)
+        size = tensor_nbytes(name, shape, dtype)
+        offset = -(-end // ALIGN) * ALIGN
+        if current and offset + size > cap_bytes:
+            buckets.append(_bucket(current, end))
+            current, offset = [], 0
+        current.append((name, tuple(int(d) for d in shape), dtype, offset))
+        end = offset + size
+    if current:
+        buckets.append(_bucket(current, end))
+    return buckets
+
+
+def _bucket(entries: list[tuple[str, tuple[int, ...], str, int]], end: int) -> BucketPlan:
+    names, shapes, dtypes, offsets = zip(*entries)
+    return BucketPlan(names, shapes, dtypes, offsets, -(-end // ALIGN) * ALIGN)
+
+
+def param_specs(named_params: Iterator[tuple[str, torch.Tensor]] | Sequence[tuple[str, torch.Tensor]]
+                ) -> list[TensorSpec]:
+    """Specs of a model's parameters (``module.named_parameters()``: tied weights appear once). Under ZeRO-3 a
+    parameter's local tensor is an empty shard; its full shape is ``ds_shape``."""
+    return [(name, tuple(getattr(p, "ds_shape", p.shape)), str(p.dtype).removeprefix("torch."))
+            for name, p in named_params]
+
+
+def pack_bucket(plan: BucketPlan, tensors: Sequence[torch.Tensor], device: torch.device | str = "cpu"
+                ) -> torch.Tensor:
+    """Copy the bucket's tensors (full, not ZeRO-3 shards: gather first) into one new uint8 buffer on ``device``."""
+    buf = torch.zeros(plan.nbytes, dtype=torch.uint8, device=device)
+    for name, shape, dtype, off, t in zip(plan.names, plan.shapes, plan.dtypes, plan.offsets, tensors, strict=True):
+        if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != dtype:
+            raise ValueError(f"{name}: planned {dtype}{list(shape)}, got {t.dtype}{list(t.shape)} (a ZeRO-3 "
+                             "parameter must be gathered before packing)")
+        nbytes = t.numel() * t.element_size()
+        buf[off: off + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
+    return buf
+
+
+def unpack_bucket(plan: BucketPlan, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Named views into ``buf`` (no copy; valid while ``buf`` is alive)."""
+    out = []
+    for name, shape, dtype, off in zip(plan.names, plan.shapes, plan.dtypes, plan.offsets):
+        nbytes = tensor_nbytes(name, shape, dtype)
+        out.append((name, buf[off: off + nbytes].view(getattr(torch, dtype)).view(shape)))
+    return out
+
+
+def engine_rank_offset(engine_index: int, workers_per_engine: int) -> int:
+    """Group rank of worker 0 of engine ``engine_index`` (rank 0 is the learner)."""
+    return 1 + engine_index * workers_per_engine
+
+
+def group_world_size(num_engines: int, workers_per_engine: int) -> int:
+    return 1 + num_engines * workers_per_engine
+
+
+# ---- communicators --------------------------------------------------------------------------------------------
+def open_endpoint(host: str | None = None) -> tuple[str, int, socket.socket]:
+    """Rank 0 binds the rendezvous socket before anyone connects (no race for a "free" port). Returns
+    ``(host, port, listening socket)``; ``host`` defaults to this node's Ray IP."""
+    if host is None:
+        import ray
+
+        host = ray.util.get_node_ip_address()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen()
+    return host, sock.getsockname()[1], sock
+
+
+class _GlooBroadcast:
+    """A stateless gloo group with PyNcclCommunicator's ``broadcast(tensor, src)`` signature."""
+
+    def __init__(self, pg):
+        self.pg = pg
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self.pg.broadcast(tensor, src).wait()
+
+
+def weight_communicator(backend: str, host: str, port: int, rank: int, world_size: int,
+                        device: torch.device | int | str, listen_socket: socket.socket | None = None):
+    """Join the weight group. Every rank calls this at about the same time (it is a rendezvous); rank 0 passes
+    the socket from :func:`open_endpoint`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"weight sync backend {backend!r}: expected one of {BACKENDS}")
+    sock = {"listen_socket": listen_socket} if listen_socket is not None else {}
+    if backend == "gloo":
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        return _GlooBroadcast(stateless_init_torch_distributed_process_group(host, port, rank, world_size, "gloo",
+                                                                             **sock))
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size, **sock)
+    with _unpinned_nccl_env():
+        comm = PyNcclCommunicator(group, device=device)
+    if comm.disabled:
+        raise RuntimeError(f"NCCL weight group (rank {rank} of {world_size}) is disabled: no CUDA NCCL library, "
+                           "a world of 1, or VLLM_DISABLE_PYNCCL is set")
+    return comm
+
+
+def _unpinned_nccl_env():
+    """Recent vLLM (0.32 here) pins NCCL_* variables for its own communicators; one shared with the learner must
+    be created without those pins, as vLLM's own weight_transfer engine does. Older vLLM has no pins."""
+    try:
+        from vllm.utils.nccl import unpinned_nccl_env
+    except ImportError:
+        return contextlib.nullcontext()
+    return unpinned_nccl_env()
+
+
+# ---- learner side ---------------------------------------------------------------------------------------------
+def broadcast_weights(comm, plans: Sequence[BucketPlan], params: Mapping[str, torch.Tensor],
+                      gather: Callable[[list[torch.Tensor]], contextlib.AbstractContextManager] | None = None) -> int:
+    """Called by every learner rank with the same plans. ``gather(params)`` is the ZeRO-3 context that
+    materializes a bucket's parameters (``deepspeed.zero.GatheredParameters(ps, modifier_rank=None)``, entered
+    by all ranks); ``comm`` is the weight group on rank 0 and None elsewhere. Buckets are packed on the
+    communicator's device (NCCL: rank 0's GPU). Returns the bytes rank 0 sent."""
+    device = getattr(comm, "device", "cpu")
+    sent = 0
+    last = None
+    for plan in plans:
+        chunk = [params[name] for name in plan.names]
+        with gather(chunk) if gather is not None else contextlib.nullcontext():
+            if comm is not None:
+                last = pack_bucket(plan, chunk, device)
+                comm.broadcast(last, src=0)
+                sent += plan.nbytes
+    if last is not None and last.is_cuda:
+        torch.cuda.current_stream(last.device).synchronize()
+    return sent
+
+
+# ---- engine side ----------------------------------------------------------------------------------------------
+def receive_buckets(comm, plans: Sequence[BucketPlan], device: torch.device | str
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Receive the buckets one by one (each into a fresh buffer, kept alive by the views it yields)."""
+    for plan in plans:
+        buf = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
+        comm.broadcast(buf, src=0)
+        yield from unpack_bucket(plan, buf)
+
+
+class NcclWeightSyncExtension(WeightSyncExtension):
+    """vLLM ``worker_extension_cls`` (``workers.nccl_sync.NcclWeightSyncExtension``): the object-store reload of
+    :class:`WeightSyncExtension` plus the collective push. Reached with ``llm.collective_rpc``; ``self`` is the
+    vLLM worker (``self.rank`` is its rank within the engine, ``self.device`` its device)."""
+
+    def fleetrl_init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
+                                  backend: str = "nccl") -> int:
+        """Join the learner's weight group as rank ``rank_offset + self.rank``; returns that rank."""
+        rank = rank_offset + self.rank
+        self._fleetrl_weight_comm = weight_communicator(backend, host, port, rank, world_size, self.device)
+        return rank
+
+    def fleetrl_receive_weights(self, plans: Sequence[BucketPlan]) -> int:
+        """Receive one push and reload the model in place; returns the number of tensors loaded. Every bucket is
+        received even if the reload fails part-way, so the sender and the other engines are not left hanging."""
+        comm = getattr(self, "_fleetrl_weight_comm", None)
+        if comm is None:
+            raise RuntimeError("fleetrl_receive_weights before fleetrl_init_weight_group: this worker is not in a "
+                               "weight group")
+        stream = receive_buckets(comm, plans, self.device)
+        try:
+            loaded = self.fleetrl_reload_weights(stream)
+        finally:
+            for _ in stream:  # drain: a broadcast must be matched on every rank
+                pass
+        expected = sum(len(p.names) for p in plans)
+        if loaded != expected:
+            raise RuntimeError(f"reload consumed {loaded} of the {expected} pushed tensors")
+        return loaded
