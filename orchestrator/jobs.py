@@ -1,9 +1,10 @@
 """Ray cluster operations: submit a training run as a Ray job, show its status, scale its pools while it runs.
 
-``fleetrl submit`` uses Ray's job SDK (``JobSubmissionClient``), which sends Ray's auth token (``RAY_AUTH_TOKEN``,
-``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``) when the cluster has token authentication on (the default in Ray
-2.60), so token auth stays on. The documented plain form works the same:
-``ray job submit --working-dir . -- python -m orchestrator train -c cfg.yaml``.
+Token authentication (on by default for clusters started by Ray 2.60 when a token exists) stays on: the job
+SDK calls send ``Authorization: Bearer <token>`` with the token Ray itself would use (``RAY_AUTH_TOKEN``, else the
+file named by ``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``), and ``fleetrl scale`` joins the cluster in
+token mode when a token exists (Ray's client only does that by itself for ``address="auto"``). The documented
+plain form works the same: ``ray job submit --working-dir . -- python -m orchestrator train -c cfg.yaml``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,24 @@ _KEYS = {"step": "step", "reward": "reward", "acc": "train_accuracy", "eval": "e
          "step_time": "step_seconds", "tok/s": "tokens_per_second"}
 
 
+def auth_token() -> str | None:
+    """The Ray auth token, looked up in Ray's order; None when there is none (a cluster without token auth)."""
+    import os
+
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    return path.read_text().strip() if path.is_file() else None
+
+
+def job_client(address: str | None):
+    """A job SDK client for the dashboard at ``address`` that sends the auth token when there is one."""
+    from ray.job_submission import JobSubmissionClient
+
+    token = auth_token()
+    return JobSubmissionClient(job_address(address), headers={"Authorization": f"Bearer {token}"} if token else None)
+
+
 def job_address(address: str | None) -> str:
     """The job API (dashboard) address: --address, else RAY_ADDRESS when it is an http URL, else local."""
     import os
@@ -35,8 +54,6 @@ def submit(config: str | None, overrides: list[str], address: str | None, python
            env: dict[str, str] | None = None) -> str:
     """Validate the config here (nothing is submitted when it is bad), then submit the driver as a Ray job with
     the current directory as its working dir. Returns the job id."""
-    from ray.job_submission import JobSubmissionClient
-
     cfg = load_config(config, overrides)
     if config is not None:
         rel = Path(config).resolve()
@@ -47,8 +64,7 @@ def submit(config: str | None, overrides: list[str], address: str | None, python
     run = Path(cfg.run.dir).name
     args = ["-m", "orchestrator", "train", *(["-c", config] if config else []), *overrides]
     entrypoint = " ".join(shlex.quote(a) for a in [python, *args])
-    client = JobSubmissionClient(job_address(address))
-    return client.submit_job(
+    return job_client(address).submit_job(
         entrypoint=entrypoint, submission_id=f"fleetrl-{run}-{time.strftime('%Y%m%d-%H%M%S')}",
         runtime_env={"working_dir": ".", "excludes": EXCLUDES,
                      "env_vars": {"TOKENIZERS_PARALLELISM": "false", **(env or {})}},
@@ -65,9 +81,7 @@ def latest_job(client) -> str:
 
 def job_status(job_id: str | None, address: str | None) -> dict:
     """State of a fleetrl job and its latest step (parsed from the driver's progress lines in the job log)."""
-    from ray.job_submission import JobSubmissionClient
-
-    client = JobSubmissionClient(job_address(address))
+    client = job_client(address)
     job_id = job_id or latest_job(client)
     info = client.get_job_info(job_id)
     out = {"job": job_id, "status": str(info.status.value if hasattr(info.status, "value") else info.status),
@@ -104,12 +118,16 @@ def format_status(s: dict) -> str:
 def scale(rollout: int | None, reward: int | None, run: str | None, address: str | None, wait_s: float) -> dict:
     """Ask a running job's controller for new pool sizes; with ``wait_s`` > 0, wait until the driver applied them.
     Connects to the cluster as a Ray client (run it on a cluster node, or through `ray job submit`)."""
+    import os
+
+    if rollout is None and reward is None:
+        raise ValueError("give --rollout N and/or --reward M")
+    if auth_token() and "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = "token"  # read when ray is imported
     import ray
 
     from orchestrator.controller import get_controller
 
-    if rollout is None and reward is None:
-        raise ValueError("give --rollout N and/or --reward M")
     ray.init(address=address if address and not address.startswith("http") else "auto", logging_level="ERROR")
     ctl = get_controller(run)
     desired = ray.get(ctl.scale.remote(rollout=rollout, reward=reward))

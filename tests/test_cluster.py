@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -47,10 +48,13 @@ def _node_args(metrics_port: int, agent_port: int, grpc_port: int, env_port: int
 @pytest.fixture
 def cluster(tmp_path):
     gcs, dash, *p = _ports(10)
-    # the head turns token auth on by default; joining nodes and clients opt in with RAY_AUTH_MODE=token and read
-    # the token from ~/.ray/auth_token
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", PATH=f"{BIN}:{os.environ['PATH']}")
-    env.pop("RAY_ADDRESS", None)
+    # with a token in ~/.ray/auth_token the head turns token auth on; a joining node opts in with RAY_AUTH_MODE=token.
+    # The fleetrl commands get no such variable: they must find and send the token themselves.
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PATH=f"{BIN}:{os.environ['PATH']}")
+    for key in ("RAY_ADDRESS", "RAY_AUTH_MODE"):
+        env.pop(key, None)
+    node_env = dict(env, RAY_AUTH_MODE="token")
+    subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True, timeout=60)
     ray = str(BIN / "ray")
     temp = Path(f"/tmp/fleetrl-cluster-{os.getpid()}")  # short: Ray's socket paths have a length limit
     head = [ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs), "--dashboard-host",
@@ -60,11 +64,36 @@ def cluster(tmp_path):
               "--resources", '{"rollout_node": 4}', *_node_args(*p[4:8])]
     try:
         for cmd in (head, worker):
-            subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=120)
+            subprocess.run(cmd, env=node_env, check=True, capture_output=True, text=True, timeout=120)
+        assert _http_status(f"http://127.0.0.1:{dash}/api/jobs/") == 401  # token auth is on
         yield {"gcs": f"127.0.0.1:{gcs}", "jobs": f"http://127.0.0.1:{dash}", "metrics": [p[0], p[4]], "env": env}
     finally:
-        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _stop_cluster(f"127.0.0.1:{gcs}", str(temp))
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _http_status(url: str) -> int:
+    try:
+        return urllib.request.urlopen(url, timeout=10).status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _stop_cluster(gcs: str, temp: str) -> None:
+    """Kill this cluster's processes only (`ray stop` would stop every Ray instance on the machine)."""
+    import contextlib
+
+    import psutil
+
+    procs = set()
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any(gcs in part or temp in part for part in p.info["cmdline"] or []):
+                procs |= {p, *p.children(recursive=True)}
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(list(procs), timeout=30)
 
 
 def _fleetrl(env: dict, *args: str, timeout: int = 180) -> str:

@@ -95,3 +95,19 @@ def test_algorithm_families_end_to_end(tmp_path, algorithm, extra):
     if algorithm == "gdpo":
         assert "reward/math" in rows[0] and "reward/length" in rows[0]
         assert rows[1]["kl"] > 0  # the update moved the policy
+
+
+@pytest.mark.e2e
+def test_one_step_off_generates_next_batch_during_update(tmp_path):
+    """rollout.mode=one_step_off: batch k+1 is generated (with version k) while the learner trains on batch k;
+    samples are exactly one version stale after the first step and the engines still get every push."""
+    rows = run_fleetrl(tmp_path / "run", "rollout.mode=one_step_off", "trainer.total_steps=3", "trainer.eval_every=0",
+                       "rollout.num_workers=1", "learner.num_ranks=1", "learner.zero_stage=0", "learner.lr=1e-3")
+    train = [r for r in rows if "reward/mean" in r]
+    assert [r["rollout/staleness_max"] for r in train] == [0, 1, 1]
+    assert [r["rollout/policy_version_min"] for r in train] == [0, 0, 1]
+    assert train[0]["weight_sync/logprob_max_diff"] < 1e-3  # same-version samples: the push arrived
+    for r in train[1:]:  # stale samples: generated during the previous update, which moved the policy
+        assert r["time/generate_overlapped_s"] > 0 and r["rollout/stale_logprob_gap_max"] > 1e-3
+    assert [r["rollout/queue_depth"] for r in train] == [16, 16, 0]
+    assert all(0 <= r["time/overhead_s"] < r["time/step_s"] for r in train)
