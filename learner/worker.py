@@ -214,6 +214,41 @@ class LearnerWorker:
         refs = [ray.put(pack(chunk)) for chunk in self._gathered_chunks(bucket_mb) if chunk]
         return refs if self.rank == 0 else []
 
+    # ---- collective weight push (rollout.weight_sync=collective) ---------------------------------------
+    def weight_specs(self) -> list:
+        """(name, full shape, dtype) of every parameter, in push order."""
+        from workers import nccl_sync
+
+        return nccl_sync.param_specs(self.engine.module.named_parameters())
+
+    def weight_endpoint(self) -> tuple[str, int]:
+        """Rank 0: bind the weight group's rendezvous socket; returns (host, port) for the engines."""
+        from workers import nccl_sync
+
+        host, port, self._weight_socket = nccl_sync.open_endpoint()
+        return host, port
+
+    def join_weight_group(self, host: str, port: int, world_size: int, backend: str) -> None:
+        """Rank 0 joins the weight group as its rank 0 (the other ranks only take part in ZeRO-3 gathers)."""
+        from workers import nccl_sync
+
+        if self.rank == 0:
+            self._weight_comm = nccl_sync.weight_communicator(backend, host, port, 0, world_size, self.device,
+                                                              listen_socket=self._weight_socket)
+
+    def broadcast_weights(self, plans: list) -> int:
+        """Every rank calls this (the ZeRO-3 gather is collective); rank 0 broadcasts each bucket."""
+        import deepspeed
+
+        from workers import nccl_sync
+
+        def gather(params):
+            return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+        return nccl_sync.broadcast_weights(getattr(self, "_weight_comm", None) if self.rank == 0 else None, plans,
+                                           dict(self.engine.module.named_parameters()),
+                                           gather if self.zero_stage == 3 else None)
+
     def save_hf(self, out_dir: str) -> str | None:
         """Write the policy as an HF directory (safetensors + tokenizer), gathered from all ranks."""
         from transformers import AutoTokenizer

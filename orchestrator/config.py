@@ -106,6 +106,11 @@ class RolloutConfig(Section):
     """Ray GPUs reserved by each rollout actor."""
     weight_bucket_mb: float = Field(256.0, gt=0.0)
     """Weights are pushed to the engines in buckets of at most this many MB."""
+    weight_sync: Literal["object_store", "collective"] = "object_store"
+    """How the learner's weights reach the engines. `object_store`: packed buckets through Ray's object store
+    (works across restarts and resizes as is). `collective`: learner rank 0 broadcasts the buckets into every engine
+    worker over one extra process group (NCCL on GPU, gloo on CPU; `workers/nccl_sync.py`), rebuilt after a
+    restart or resize. On this 2-core CPU machine the object store is the faster (see README)."""
     seed: int = 0
     """Base sampling seed; sample seeds derive from it, the step and the prompt index."""
     max_restarts: int = Field(3, ge=0)

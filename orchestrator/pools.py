@@ -118,6 +118,8 @@ class RolloutPool(ActorPool):
         self.max_model_len = max_model_len
         self.version = 0
         self.buckets: list = []  # the last pushed weights (kept alive for replacements)
+        self.fetch_buckets = None  # collective pushes: callable returning the current weights as buckets
+        self.membership = 0  # bumped whenever a worker is replaced or added
         super().__init__(cfg.rollout.num_workers, cfg.rollout.max_restarts)
         ray.get([w.stats.remote() for w in self.workers])
 
@@ -134,8 +136,12 @@ class RolloutPool(ActorPool):
         )
 
     def _after_restart(self, worker) -> None:
-        if self.buckets:
-            ray.get(worker.load_weights.remote(self.buckets, self.version))
+        """A new or replacement engine gets the current weights through the object store before any prompt
+        (with collective pushes the pool keeps no buckets: ``fetch_buckets`` asks the learner for them)."""
+        self.membership += 1  # a collective weight group must be rebuilt
+        buckets = self.buckets or (self.fetch_buckets() if self.fetch_buckets and self.version else [])
+        if buckets:
+            ray.get(worker.load_weights.remote(buckets, self.version))
 
     def generate(self, prompts: list[Prompt], group_size: int, temperature: float, seed: int | None) -> list[Sample]:
         r = self.cfg.rollout
@@ -143,6 +149,19 @@ class RolloutPool(ActorPool):
         outs = self.fan_out(
             lambda w, part: w.generate.remote(part, group_size, r.max_new_tokens, temperature, r.top_p, seed), parts)
         return [s for out in outs for s in out]
+
+    def join_weight_group(self, host: str, port: int, world_size: int, backend: str) -> list:
+        """ObjectRefs of every engine joining the weight group (a rendezvous with learner rank 0)."""
+        from workers.nccl_sync import engine_rank_offset
+
+        tp = self.cfg.rollout.tensor_parallel_size
+        return [w.join_weight_group.remote(host, port, engine_rank_offset(i, tp), world_size, backend)
+                for i, w in enumerate(self.workers)]
+
+    def receive_weights(self, plans: list, version: int) -> list:
+        """ObjectRefs of every engine receiving one collective push."""
+        self.version = version
+        return [w.receive_weights.remote(plans, version) for w in self.workers]
 
     def load_weights(self, bucket_refs: list, version: int) -> list[dict]:
         self.version, self.buckets = version, bucket_refs
@@ -286,6 +305,23 @@ class LearnerGroup:
         """ObjectRefs of the current weights in buckets (every rank takes part in the ZeRO-3 gather)."""
         outs = self._get([w.weight_buckets.remote(self.cfg.rollout.weight_bucket_mb) for w in self.ranks])
         return outs[0]
+
+    def open_weight_group(self, engines: int, workers_per_engine: int, backend: str) -> tuple[list, int]:
+        """Start learner rank 0's side of a weight group for ``engines`` engines; returns (its ObjectRefs, and
+        the group size) after handing out the rendezvous address via :attr:`weight_endpoint`."""
+        from workers.nccl_sync import group_world_size
+
+        world = group_world_size(engines, workers_per_engine)
+        self.weight_endpoint = self._get([self.ranks[0].weight_endpoint.remote()])[0]
+        return [self.ranks[0].join_weight_group.remote(*self.weight_endpoint, world, backend)], world
+
+    def weight_plans(self, bucket_mb: float) -> list:
+        from workers.nccl_sync import plan_buckets
+
+        return plan_buckets(self._get([self.ranks[0].weight_specs.remote()])[0], int(bucket_mb * 2**20))
+
+    def broadcast_weights(self, plans: list) -> list:
+        return [w.broadcast_weights.remote(plans) for w in self.ranks]
 
     def save_hf(self, out_dir: str) -> None:
         self._get([w.save_hf.remote(out_dir) for w in self.ranks])

@@ -107,6 +107,7 @@ class RFTTrainer(Trainer):
                 batch = self.learner.compute_logprobs(sft_batch([x.sample for x in kept], len(scored)))
             mask = batch.response_mask.bool()
             out["weight_sync/logprob_max_diff"] = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask].max().item()
+            out["rft/nll_before"] = -batch.old_logprobs[mask].mean().item()  # token-mean NLL of the kept samples
             with timer("learn"):
                 out.update(_rename(self.learn(batch)))
             with timer("sync"):

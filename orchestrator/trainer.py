@@ -24,7 +24,7 @@ from orchestrator import checkpoint as ckpt
 from orchestrator.config import FleetConfig, dump_config
 from orchestrator.controller import start_controller
 from orchestrator.metrics import MetricsLogger, PhaseTimer, progress_line
-from orchestrator.pools import LearnerDied, LearnerGroup, RewardPool, RolloutPool, gather_metrics
+from orchestrator.pools import LearnerDied, LearnerGroup, RewardPool, RolloutPool, gather_metrics, get_ranks
 from rewards.functions import math_reward
 from rewards.tasks import make_task_from_config
 from workers.records import ScoredSample
@@ -42,6 +42,7 @@ class Trainer:
         self.version = 0
         self.start_step = 0
         self.prefetch = None  # one_step_off: the next step's batch, being generated and scored
+        self._weight_group = -1  # rollout pool membership the collective weight group was formed for
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
         self.resume_from = ckpt.resolve(resume, self.run_dir) if resume else None
 
@@ -190,9 +191,8 @@ class Trainer:
         self.apply_scaling()
         with timer("sync"):
             sync_metrics = self.push_weights()
-        out = {**self._rollout_metrics(scored, batch, reward_errors, train_metrics), **_rename(train_metrics),
-               **sync_metrics, **sampling, **self._timing(timer, train_metrics, queued)}
-        out["rollout/staleness_max"] = staleness
+        out = {**self._rollout_metrics(scored, batch, reward_errors, train_metrics, staleness),
+               **_rename(train_metrics), **sync_metrics, **sampling, **self._timing(timer, train_metrics, queued)}
         out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
         out["throughput/samples_per_s"] = len(scored) / out["time/step_s"]
         return out
@@ -330,12 +330,44 @@ class Trainer:
     def push_weights(self) -> dict:
         """Learner -> every rollout engine, in place; the policy version advances."""
         self.version += 1
+        if self.cfg.rollout.weight_sync == "collective":
+            return self._push_collective()
         t0 = time.perf_counter()
         buckets = self.learner.weight_buckets()
         t1 = time.perf_counter()
         loads = self.rollouts.load_weights(buckets, self.version)
         return {"weight_sync/gather_s": t1 - t0, "weight_sync/load_s": time.perf_counter() - t1,
                 "weight_sync/engine_reload_s": max(x["seconds"] for x in loads), "weight_sync/buckets": len(buckets)}
+
+    def _push_collective(self) -> dict:
+        """Learner rank 0 broadcasts the buckets straight into every engine (NCCL on GPU, gloo on CPU). The group
+        is (re)built when the pool's membership changed (start, restart, resize)."""
+        import ray
+
+        t0 = time.perf_counter()
+        if self._weight_group != self.rollouts.membership:
+            self._form_weight_group()
+        t1 = time.perf_counter()
+        refs = self.learner.broadcast_weights(self._plans)
+        loads = ray.get(self.rollouts.receive_weights(self._plans, self.version))
+        get_ranks(refs)
+        return {"weight_sync/group_s": t1 - t0, "weight_sync/load_s": time.perf_counter() - t1,
+                "weight_sync/engine_reload_s": max(x["seconds"] for x in loads),
+                "weight_sync/buckets": len(self._plans)}
+
+    def _form_weight_group(self) -> None:
+        import ray
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() or self.cfg.rollout.num_gpus else "gloo"
+        self._plans = self.learner.weight_plans(self.cfg.rollout.weight_bucket_mb)
+        self.rollouts.fetch_buckets = self.learner.weight_buckets
+        learner_refs, world = self.learner.open_weight_group(len(self.rollouts.workers),
+                                                             self.cfg.rollout.tensor_parallel_size, backend)
+        ray.get(self.rollouts.join_weight_group(*self.learner.weight_endpoint, world, backend))
+        get_ranks(learner_refs)
+        self._weight_group = self.rollouts.membership
+        log.info("weight group (%s) of %d ranks formed; %d buckets per push", backend, world, len(self._plans))
 
     def evaluate(self) -> dict:
         """Greedy held-out accuracy through the rollout engines."""
@@ -350,7 +382,7 @@ class Trainer:
         return build_batch([x.prompt_ids for x in s], [x.completion_ids for x in s], [x.logprobs for x in s], pad)
 
     def _rollout_metrics(self, scored: list[ScoredSample], batch: TrainBatch, reward_errors: int,
-                         train_metrics: dict) -> dict:
+                         train_metrics: dict, staleness: int) -> dict:
         rewards = torch.tensor([s.reward for s in scored])
         correct = [math_reward(x.sample.prompt_text, x.sample.completion_text, x.sample.metadata) for x in scored]
         mask = batch.response_mask.bool()
@@ -367,9 +399,10 @@ class Trainer:
             "tokens_generated": int(mask.sum()), "response/length_mean": lengths.mean().item(),
             # samples of the current version: the learner and the engine must agree (the pushed weights arrived);
             # older samples (one_step_off) differ by the updates since, which the truncated IS weighs
-            ("weight_sync/logprob_max_diff" if min(x.sample.policy_version for x in scored) == self.version
-             else "rollout/stale_logprob_gap_max"): diff.max().item() if diff.numel() else 0.0,
+            ("weight_sync/logprob_max_diff" if staleness == 0 else "rollout/stale_logprob_gap_max"):
+                diff.max().item() if diff.numel() else 0.0,
             "rollout/policy_version_min": min(x.sample.policy_version for x in scored),
+            "rollout/staleness_max": staleness,
             "rollout/workers": len(self.rollouts.workers), "reward/workers": len(self.rewards.workers),
             "rollout/samples": len(scored), "rollout/unique_prompts": len({x.sample.prompt_uid for x in scored}),
             "faults/rollout_restarts": self.rollouts.restarts, "faults/reward_restarts": self.rewards.restarts,

@@ -3,11 +3,12 @@
 The default push (``workers/weight_buckets.py``) goes through Ray's object store: learner rank 0 copies the
 weights to CPU, ``ray.put``s them, and every engine fetches them. On a GPU cluster that is one device-to-host
 copy, one object-store transfer per engine and one host-to-device copy per engine for every step. This module
-is the direct path that OpenRLHF, verl, TRL's ``vllm_client`` and vLLM's own ``examples/offline_inference/
-rlhf.py`` / ``rlhf_utils.py`` (and, since then, ``vllm.distributed.weight_transfer.nccl_engine``) use: learner
-rank 0 and every worker of every engine join one extra communicator, a vLLM ``StatelessProcessGroup`` (a
-``TCPStore`` rendezvous that leaves ``torch.distributed``'s global group alone: the learner ranks already have
-theirs, and so do the engines' tensor-parallel workers) carrying a ``PyNcclCommunicator``, and rank 0 broadcasts.
+is the direct path, a collective broadcast from the trainer into the engines, as OpenRLHF and verl do it for
+separate trainer and engine GPUs. The group is built the way vLLM's ``examples/offline_inference/rlhf_utils.py``,
+TRL's ``vllm_client`` and vLLM's ``vllm.distributed.weight_transfer.nccl_engine`` build theirs: learner rank 0
+and every worker of every engine join a vLLM ``StatelessProcessGroup`` (a ``TCPStore`` rendezvous that leaves
+``torch.distributed``'s global group alone: the learner ranks already have theirs, and so do the engines'
+tensor-parallel workers) carrying a ``PyNcclCommunicator``, and rank 0 broadcasts.
 
 Group layout (one group for the whole run)::
 

@@ -35,7 +35,7 @@ class RolloutWorker:
         kwargs = dict(
             model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=True,
             tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
-            worker_extension_cls="workers.vllm_ext.WeightSyncExtension", enable_prefix_caching=True,
+            worker_extension_cls="workers.nccl_sync.NcclWeightSyncExtension", enable_prefix_caching=True,
         )
         if _on_cpu():
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
@@ -93,6 +93,19 @@ class RolloutWorker:
                 yield from unpack(ray.get(ref))
 
         loaded = self.llm.collective_rpc("fleetrl_reload_weights", args=(stream(),))
+        self.llm.reset_prefix_cache()
+        self.policy_version = version
+        return {"tensors": loaded[0], "seconds": time.perf_counter() - t0, "version": version}
+
+    def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> list[int]:
+        """Every worker of this engine joins the learner's weight group (see :mod:`workers.nccl_sync`)."""
+        return self.llm.collective_rpc("fleetrl_init_weight_group",
+                                       args=(host, port, rank_offset, world_size, backend))
+
+    def receive_weights(self, plans: list, version: int) -> dict:
+        """Receive one collective push (learner rank 0 broadcasts) and reload the engine in place."""
+        t0 = time.perf_counter()
+        loaded = self.llm.collective_rpc("fleetrl_receive_weights", args=(plans,))
         self.llm.reset_prefix_cache()
         self.policy_version = version
         return {"tensors": loaded[0], "seconds": time.perf_counter() - t0, "version": version}
