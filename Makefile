@@ -3,11 +3,13 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fleetrl-installed
+BENCH_STAMP := $(VENV)/.fleetrl-bench-installed
+BENCHES := generation end_to_end learning_speed weight_push scaling
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup train test lint model docs clean
+.PHONY: setup train test lint model docs clean bench bench-quick
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +36,21 @@ test: setup lint
 
 docs: setup
 	$(PY) -m tests.test_docs
+
+# Benchmarks (not part of `make test`): each prints a table and writes bench/results/<name>.json; results and
+# commands in docs/BENCHMARKS.md. The bench extra adds TRL (the end-to-end baseline) to .venv.
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[cpu,dev,bench]"
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	@touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP) model
+	$(PY) -m bench.build_models
+	@for b in $(BENCHES); do echo "== bench.$$b"; $(PY) -m bench.$$b || exit 1; done
+
+bench-quick: $(BENCH_STAMP) model
+	$(PY) -m bench.build_models gen-tiny push-1m
+	@for b in $(BENCHES); do echo "== bench.$$b --quick"; $(PY) -m bench.$$b --quick || exit 1; done
 
 clean:
 	rm -rf runs .fleetrl

@@ -21,6 +21,7 @@ from pathlib import Path
 RESULTS_DIR = Path("bench/results")
 RUNS_DIR = Path("runs/bench")
 PY = sys.executable
+STARTED = time.perf_counter()  # the benchmark process's start (scripts import this module first)
 
 # every subprocess: no hub, no usage stats, a private local Ray instance
 SUBPROCESS_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
@@ -40,11 +41,12 @@ def save_result(name: str, quick: bool, data: dict) -> Path:
     """Write ``data`` with machine metadata to ``bench/results/<name>[-quick].json``."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}{'-quick' if quick else ''}.json"
-    meta = {"benchmark": name, "quick": quick, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    wall = time.perf_counter() - STARTED
+    meta = {"benchmark": name, "quick": quick, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": round(wall, 1),
             "cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
             "versions": _versions()}
     path.write_text(json.dumps({"meta": meta, **data}, indent=1))
-    print(f"wrote {path}")
+    print(f"wrote {path} ({name} took {wall / 60:.1f} min)")
     return path
 
 

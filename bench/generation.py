@@ -82,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     tok = AutoTokenizer.from_pretrained(path, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf_s, hf_len = timed(lambda r: hf_generate(model, tok, texts, G, L, seed=r), s["reps"])
-    del model
 
     from workers.rollout import RolloutWorker
 

@@ -99,10 +99,10 @@ def make_callback(args, tok, eval_prompts):
             return time.perf_counter() - self.t0 - self.eval_s
 
         def evaluate(self, model, step: int) -> None:
-            t = time.perf_counter()
+            train_s, t = self.train_s(), time.perf_counter()
             acc = greedy_accuracy(model, tok, eval_prompts, args.max_tokens)
             seconds = time.perf_counter() - t
-            self.evals.append({"step": step, "train_s": self.train_s(), "accuracy": acc, "eval_s": seconds})
+            self.evals.append({"step": step, "train_s": train_s, "accuracy": acc, "eval_s": seconds})
             self.eval_s += seconds
             print(f"eval step {step} train_s {self.evals[-1]['train_s']:.1f} accuracy {acc:.3f}", flush=True)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
@@ -85,23 +84,6 @@ def resolve_model_dir(checkpoint: str) -> Path:
                       "policy/); give a run's final/ directory, a checkpoint directory or an HF model directory")
 
 
-def init_ray(cfg: FleetConfig) -> None:
-    """Join ``run.ray_address`` (or RAY_ADDRESS), or start a local Ray with enough CPUs for the actors."""
-    import ray
-
-    from orchestrator.trainer import _cpus_needed
-
-    if ray.is_initialized():
-        return
-    address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address)
-        return
-    rm = cfg.reward.model
-    need = _cpus_needed(cfg) + (rm.num_workers * rm.num_cpus if rm.path else 0)
-    ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False)
-
-
 def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "reward",
              out: str | None = None) -> dict:
     """Generate ``max(ns)`` samples per held-out prompt with the checkpoint, score, summarize; writes the
@@ -113,7 +95,7 @@ def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "re
     cfg = cfg.model_copy(deep=True)
     cfg.model.path = str(resolve_model_dir(checkpoint))
     from orchestrator.pools import RewardPool, RolloutPool
-    from orchestrator.trainer import _make_task, _max_model_len
+    from orchestrator.trainer import _make_task, _max_model_len, init_ray
     from rewards.functions import math_reward
 
     prompts = _make_task(cfg).eval_set(cfg.data.eval_size)

@@ -129,7 +129,7 @@ class RFTTrainer(Trainer):
 
 def run_rft(cfg: FleetConfig, rounds: int | None = None) -> list[dict]:
     """Check the run directory, start (or join) Ray, run the rounds; returns the per-round rows."""
-    from orchestrator.evaluate import init_ray
+    from orchestrator.trainer import init_ray
 
     cfg = rft_config(cfg, rounds)
     if (Path(cfg.run.dir) / "metrics.jsonl").exists():

@@ -443,16 +443,25 @@ def _rename(m: dict) -> dict:
 
 def run_training(cfg: FleetConfig, resume: str | None = None) -> list[dict]:
     """Join or start Ray, then run the loop."""
+    trainer = Trainer(cfg, resume)  # resolves --resume before any actor starts
+    init_ray(cfg)
+    return trainer.run()
+
+
+def init_ray(cfg: FleetConfig) -> None:
+    """Join ``run.ray_address`` (or RAY_ADDRESS, as inside a Ray job), or start a private local Ray instance with
+    enough CPUs for the configured actors."""
+    import math
+
     import ray
 
-    trainer = Trainer(cfg, resume)  # resolves --resume before any actor starts
+    if ray.is_initialized():
+        return
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
-    if not ray.is_initialized():
-        if address:
-            ray.init(address=address)
-        else:
-            ray.init(num_cpus=max(os.cpu_count() or 1, _cpus_needed(cfg)), include_dashboard=False)
-    return trainer.run()
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(_cpus_needed(cfg))), include_dashboard=False)
 
 
 def _make_task(cfg: FleetConfig):
@@ -484,8 +493,9 @@ def _max_model_len(cfg: FleetConfig) -> int:
     return min(int(hf.get("max_position_embeddings", 1 << 30)), cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
 
 
-def _cpus_needed(cfg: FleetConfig) -> int:
+def _cpus_needed(cfg: FleetConfig) -> float:
     learner_groups = 2 if cfg.algorithm.uses_critic else 1
-    need = (cfg.rollout.num_workers * cfg.rollout.num_cpus + cfg.reward.num_workers * cfg.reward.num_cpus
-            + learner_groups * cfg.learner.num_ranks * cfg.learner.num_cpus)
-    return int(need + 0.999)
+    rm = cfg.reward.model
+    return (cfg.rollout.num_workers * cfg.rollout.num_cpus + cfg.reward.num_workers * cfg.reward.num_cpus
+            + learner_groups * cfg.learner.num_ranks * cfg.learner.num_cpus
+            + (rm.num_workers * rm.num_cpus if rm.path else 0))

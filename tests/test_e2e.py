@@ -74,11 +74,13 @@ def _check_final_policy(final: Path):
     ("ppo", ["algorithm.kl_reward_coef=0.05"]),
     ("grpo_process", ["algorithm.step_separator=''"]),
     ("gdpo", ["reward.functions=[{name: math}, {name: length, params: {max_len: 5, cache: 3}}]",
-              "algorithm.conditions=[{reward: length, if_reward: math, threshold: 1.0}]"]),
+              "algorithm.conditions=[{reward: length, if_reward: math, threshold: 1.0}]",
+              "rollout.weight_sync=collective"]),  # pushes over a gloo group into the engine
 ])
 def test_algorithm_families_end_to_end(tmp_path, algorithm, extra):
-    """A group-based estimator, PPO with its critic group (GAE), and GDPO with two reward components, through
-    the real loop (1 rollout worker, 1 learner rank at ZeRO-0 to keep the suite short)."""
+    """A group-based estimator, PPO with its critic group (GAE), and GDPO with two reward components (and the
+    collective weight push), through the real loop (1 rollout worker, 1 learner rank at ZeRO-0 to keep the suite
+    short). The logprob check proves the pushed weights arrived, whichever way they went."""
     rows = run_fleetrl(tmp_path / "run", f"algorithm.name={algorithm}", *extra, "trainer.total_steps=2",
                        "trainer.eval_every=0", "rollout.num_workers=1", "learner.num_ranks=1", "learner.zero_stage=0",
                        "learner.lr=1e-3")
