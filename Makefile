@@ -46,7 +46,8 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: $(BENCH_STAMP) model
 	$(PY) -m bench.build_models
-	@for b in $(BENCHES); do echo "== bench.$$b"; $(PY) -m bench.$$b || exit 1; done
+	@start=$$(date +%s); for b in $(BENCHES); do echo "== bench.$$b"; $(PY) -m bench.$$b || exit 1; done; \
+	echo "make bench: $$(( ($$(date +%s) - start) / 60 )) min; tables in bench/results/*.json, docs/BENCHMARKS.md"
 
 bench-quick: $(BENCH_STAMP) model
 	$(PY) -m bench.build_models gen-tiny push-1m

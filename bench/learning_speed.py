@@ -16,7 +16,7 @@ from __future__ import annotations
 from bench.common import RESULTS_DIR, parse_args, print_table, require_model, run_fleetrl, run_trl, save_result
 
 EMBEDDED = ".fleetrl/models/arith-base"
-FULL = dict(budget=120.0, fleetrl_eval_every=10, trl_eval_every=30)
+FULL = dict(budget=90.0, fleetrl_eval_every=10, trl_eval_every=30)
 QUICK = dict(budget=15.0, fleetrl_eval_every=5, trl_eval_every=5)
 LR = 3e-5
 TRL_MAX_STEPS = 3000  # a cap above what the budget allows (~0.15 s/step); its prompt dataset is built up front
@@ -80,7 +80,7 @@ def plot(results: list[dict], path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(__doc__, argv, lambda ap: ap.add_argument(
-        "--budget", type=float, default=None, help="training seconds per system (default 120; --quick 15)"))
+        "--budget", type=float, default=None, help="training seconds per system (default 90; --quick 15)"))
     s = dict(QUICK if args.quick else FULL)
     if args.budget is not None:
         s["budget"] = args.budget

@@ -26,7 +26,7 @@ class LearnerWorker:
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
                  dtype: str, ds_config: dict, loss_kwargs: dict, temperature: float, seed: int, torch_threads: int,
-                 gradient_checkpointing: bool = False, role: str = "actor"):
+                 gradient_checkpointing: bool = False, role: str = "actor", reference: bool = True):
         """``role="actor"``: causal LM policy + frozen reference, trained with ``policy_loss(**loss_kwargs)``.
         ``role="critic"``: the same architecture with a scalar head (initialized from the policy weights, head
         fresh), trained with ``value_loss(**loss_kwargs)``."""
@@ -46,13 +46,14 @@ class LearnerWorker:
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         torch_dtype = getattr(torch, dtype)
         self.role = role
+        self.ref = None  # the frozen reference policy, only when a KL term reads it (or KL is logged)
         if role == "critic":
             model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch_dtype)
-            self.ref = None
         else:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
-            self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
-            self.ref.requires_grad_(False)
+            if reference:
+                self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
+                self.ref.requires_grad_(False)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
@@ -93,8 +94,9 @@ class LearnerWorker:
         with torch.no_grad():
             for mb in _micro_batches(shard, micro_batch_size):
                 old.append(self._forward(self.engine.module, mb)[0].cpu())
-                ref.append(self._forward(self.ref, mb)[0].cpu())
-        return {"old_logprobs": torch.cat(old), "ref_logprobs": torch.cat(ref)}
+                if self.ref is not None:
+                    ref.append(self._forward(self.ref, mb)[0].cpu())
+        return {"old_logprobs": torch.cat(old), "ref_logprobs": torch.cat(ref) if ref else None}
 
     # ---- training -------------------------------------------------------------------------------------
     def train(self, minibatches: list[TrainBatch], epochs: int, micro_batch_size: int) -> dict:

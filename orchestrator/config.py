@@ -207,6 +207,10 @@ class LossConfig(Section):
     uses_critic: ClassVar[bool] = False
     uses_step_rewards: ClassVar[bool] = False
 
+    def needs_reference(self) -> bool:
+        """Whether a loss or reward term reads the frozen reference policy's logprobs."""
+        return self.kl_coef > 0
+
     def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
         """Per-token ``(advantages, returns)``, each ``[B, T]`` (returns only for critic methods)."""
         raise NotImplementedError
@@ -333,6 +337,9 @@ class PPOConfig(LossConfig):
     critic_lr: float = Field(1e-4, gt=0.0, le=1.0)
     """Critic AdamW learning rate."""
 
+    def needs_reference(self) -> bool:
+        return self.kl_coef > 0 or self.kl_reward_coef > 0
+
     def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
         rewards = x.outcome_token_rewards()
         if self.kl_reward_coef:
@@ -375,6 +382,9 @@ class LearnerConfig(Section):
     """Passes over the step's batch."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (saves memory on large models)."""
+    log_kl: bool = False
+    """Keep the frozen reference model and log KL(pi || pi_ref) even when no loss term uses it (one more forward
+    pass per step). With `algorithm.kl_coef` > 0 (or PPO's `kl_reward_coef`) the reference is always there."""
     logprob_pass: Literal["auto", "always"] = "auto"
     """`auto`: when the batch is used once by the policy that generated it (rollout.mode=sync, 1 epoch, 1
     minibatch, float32, no critic), the engine's logprobs stand in for the old logprobs and the reference pass
@@ -470,6 +480,11 @@ class FleetConfig(Section):
                 raise ValueError("rollout.mode=one_step_off needs the truncated-IS correction: set "
                                  "algorithm.tis_cap (e.g. 2.0), not null")
         return self
+
+    @property
+    def uses_reference(self) -> bool:
+        """The learner keeps a frozen reference model (for a KL term, or to log KL)."""
+        return self.algorithm.needs_reference() or self.learner.log_kl
 
     @property
     def sequences_per_step(self) -> int:

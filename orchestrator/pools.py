@@ -260,7 +260,7 @@ class LearnerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
             ).remote(r, self.world, master_addr, port, cfg.model.path, cfg.model.dtype, dsc, loss_kwargs,
                      cfg.rollout.temperature, cfg.trainer.seed, cfg.trainer.torch_threads, lc.gradient_checkpointing,
-                     role)
+                     role, cfg.uses_reference)
             for r in range(self.world)
         ]
         ray.get([w.ping.remote() for w in self.ranks])
@@ -282,7 +282,8 @@ class LearnerGroup:
         outs = self._get([w.compute_logprobs.remote(s, self.micro_batch_size)
                           for w, s in zip(self.ranks, batch.shards(self.world))])
         batch.old_logprobs = torch.cat([o["old_logprobs"] for o in outs])
-        batch.ref_logprobs = torch.cat([o["ref_logprobs"] for o in outs])
+        batch.ref_logprobs = torch.cat([o["ref_logprobs"] for o in outs]) if outs[0]["ref_logprobs"] is not None \
+            else None
         return batch
 
     def compute_values(self, batch: TrainBatch):

@@ -31,7 +31,7 @@ def test_grpo_three_steps_real_stack(tmp_path):
     run_dir = tmp_path / "run"
     rows = run_fleetrl(run_dir, "trainer.total_steps=3", "trainer.eval_every=3", "rollout.num_workers=2",
                        "reward.num_workers=1", "learner.num_ranks=2", "learner.zero_stage=2", "data.eval_size=32",
-                       "learner.lr=1e-3")
+                       "learner.lr=1e-3", "learner.log_kl=true")
     train_rows = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["policy_version"] for r in rows] == [0, 1, 2, 3]
@@ -75,7 +75,7 @@ def _check_final_policy(final: Path):
     ("grpo_process", ["algorithm.step_separator=''"]),
     ("gdpo", ["reward.functions=[{name: math}, {name: length, params: {max_len: 5, cache: 3}}]",
               "algorithm.conditions=[{reward: length, if_reward: math, threshold: 1.0}]",
-              "rollout.weight_sync=collective"]),  # pushes over a gloo group into the engine
+              "rollout.weight_sync=collective", "learner.log_kl=true"]),  # pushes over a gloo group into the engine
 ])
 def test_algorithm_families_end_to_end(tmp_path, algorithm, extra):
     """A group-based estimator, PPO with its critic group (GAE), and GDPO with two reward components (and the

@@ -140,7 +140,8 @@ def test_rft_end_to_end(tmp_path):
     round (policy version advances), and the final policy differs from the base model."""
     run_dir = tmp_path / "rft"
     proc = _cli("rft", "--rounds", "2", f"run.dir={run_dir}", "data.prompts_per_step=8", "data.eval_size=16",
-                "rollout.num_workers=1", "learner.num_ranks=1", "learner.zero_stage=0", "learner.lr=3e-4")
+                "rollout.num_workers=1", "learner.num_ranks=1", "learner.zero_stage=0", "learner.lr=3e-4",
+                "learner.log_kl=true")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     rows = [json.loads(line) for line in (run_dir / "rft_metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and not (run_dir / "metrics.jsonl").exists()

@@ -86,7 +86,7 @@ def test_nan_steps_are_skipped_then_the_run_stops(tmp_path, ranks, zero_stage):
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "orchestrator", "train", f"run.dir={tmp_path}", "trainer.total_steps=6",
            "trainer.eval_every=0", "trainer.max_bad_steps=2", "trainer.save_every=1", "rollout.num_workers=1",
-           f"learner.num_ranks={ranks}", f"learner.zero_stage={zero_stage}",
+           f"learner.num_ranks={ranks}", f"learner.zero_stage={zero_stage}", "learner.log_kl=true",
            "reward.functions=[{name: 'tests.test_faults:nan_reward'}]"]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 1, r.stderr[-3000:]

@@ -10,7 +10,7 @@ import pytest
 from tests.test_e2e import ROOT, run_fleetrl
 
 COMMON = ["trainer.total_steps=4", "trainer.save_every=2", "trainer.eval_every=0", "rollout.num_workers=1",
-          "learner.num_ranks=2", "learner.zero_stage=2", "learner.lr=1e-4"]
+          "learner.num_ranks=2", "learner.zero_stage=2", "learner.lr=1e-4", "learner.log_kl=true"]
 
 
 @pytest.mark.e2e
