@@ -43,6 +43,7 @@ def save_result(name: str, quick: bool, data: dict) -> Path:
     path = RESULTS_DIR / f"{name}{'-quick' if quick else ''}.json"
     wall = time.perf_counter() - STARTED
     meta = {"benchmark": name, "quick": quick, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": round(wall, 1),
+            "loadavg_1_5_15min": os.getloadavg(),  # > cpus at the end means other work shared the cores
             "cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
             "versions": _versions()}
     path.write_text(json.dumps({"meta": meta, **data}, indent=1))

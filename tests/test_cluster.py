@@ -26,7 +26,7 @@ METRICS = ["fleetrl_step", "fleetrl_reward_mean", "fleetrl_eval_accuracy", "flee
            "fleetrl_generated_tokens_total", "fleetrl_tokens_per_second", "fleetrl_policy_version",
            "fleetrl_weight_sync_seconds", "fleetrl_rollout_workers", "fleetrl_reward_errors_total",
            "fleetrl_rollout_queue_depth"]
-STEPS, PROMPTS, G = 40, 8, 4
+STEPS, PROMPTS, G = 30, 8, 4
 
 
 def _ports(n: int) -> list[int]:

@@ -26,8 +26,9 @@ dtypes do not change during a run):
   ``reload_weights`` (the same reload as the object-store path in ``workers/vllm_ext.py``).
 
 Backends: ``nccl`` (GPU; vLLM's ``PyNcclCommunicator``) and ``gloo`` (CPU engines; a stateless torch gloo group).
-Only ``gloo`` runs on this project's CPU machine (``tests/test_deploy.py`` pushes weights into a real vLLM CPU
-engine with it); the ``nccl`` branch differs only in :func:`weight_communicator` and is untested here.
+Only ``gloo`` runs on this project's CPU machine (``rollout.weight_sync=collective`` in ``tests/test_e2e.py``
+pushes weights into a real vLLM CPU engine with it); the ``nccl`` branch differs only in
+:func:`weight_communicator` and is untested here.
 
 vLLM and ``torch.distributed`` are imported inside functions, so this module imports without them.
 """
