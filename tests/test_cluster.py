@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import EMBEDDED_MODEL_PATH
+from orchestrator.embedded_model import init_model
 from rewards.tasks import ArithmeticTask
 from tests.test_e2e import ROOT
 
@@ -129,6 +130,8 @@ def _scrape(ports: list[int]) -> str:
 def test_two_node_cluster_submit_scale_status_metrics(cluster, tmp_path):
     run_dir = tmp_path / "cluster-run"
     env = cluster["env"]
+    if not (ROOT / EMBEDDED_MODEL_PATH / "config.json").exists():  # the job gets it by absolute path: build it here
+        init_model(ROOT / EMBEDDED_MODEL_PATH)
     out = _fleetrl(env, "submit", "--address", cluster["jobs"], "--python", sys.executable,
                    f"model.path={ROOT / EMBEDDED_MODEL_PATH}", f"run.dir={run_dir}", f"trainer.total_steps={STEPS}",
                    "trainer.eval_every=10", "data.eval_size=16", f"data.prompts_per_step={PROMPTS}",
