@@ -131,6 +131,8 @@ def _actor_name() -> str:
     try:
         import ray
 
+        if not ray.is_initialized():  # built outside Ray (benchmarks): don't start an instance just to ask
+            return ""
         return ray.get_runtime_context().get_actor_name() or ""
     except Exception:  # noqa: BLE001 - not in a Ray worker
         return ""
