@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             print(export_policy(Path(args.source), Path(args.out)))
             return 0
         if args.command == "config" and args.action == "docs":
-            from orchestrator.config import config_reference_markdown
+            from orchestrator.config_docs import config_reference_markdown
 
             print(config_reference_markdown(), end="")
             return 0

@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from orchestrator.config import config_reference_markdown
+from orchestrator.config_docs import config_reference_markdown
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 PATTERN = re.compile(r"(<!-- config-reference:start -->\n)(.*?)(<!-- config-reference:end -->)", re.S)
