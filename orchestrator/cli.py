@@ -52,6 +52,11 @@ def _cluster_parsers(sub) -> None:
     sc.add_argument("--run", help="run name (its run.dir's last component); default: the only live run")
     sc.add_argument("--address", help="Ray GCS address (default: auto, i.e. run this on a cluster node)")
     sc.add_argument("--wait", type=float, default=120.0, help="seconds to wait until applied (0: don't wait)")
+    sp = sub.add_parser("stop", help="graceful stop of a running job at the next step boundary (final eval, final "
+                        "policy, summary; the job ends SUCCEEDED)")
+    sp.add_argument("--run", help="run name (its run.dir's last component); default: the only live run")
+    sp.add_argument("--address", help="Ray GCS address (default: auto, i.e. run this on a cluster node)")
+    sp.add_argument("--wait", type=float, default=300.0, help="seconds to wait until it ended (0: don't wait)")
 
 
 def _cluster_command(args) -> int:
@@ -62,12 +67,15 @@ def _cluster_command(args) -> int:
     if args.command == "submit":
         env = dict(kv.split("=", 1) for kv in args.env)
         job = jobs.submit(args.config, args.overrides, args.address, args.python, env)
-        addr = jobs.job_address(args.address)
+        addr, run = jobs.job_address(args.address), job.split("-", 1)[1].rsplit("-", 2)[0]
         print(f"submitted {job}\n  follow: ray job logs --address {addr} -f {job}\n"
-              f"  status: fleetrl status {job} --address {addr}\n  stop:   ray job stop --address {addr} {job}")
+              f"  status: fleetrl status {job} --address {addr}\n  scale:  fleetrl scale --run {run} --rollout N\n"
+              f"  stop:   fleetrl stop --run {run}  (graceful; `ray job stop --address {addr} {job}` kills it)")
     elif args.command == "status":
         st = jobs.job_status(args.job, args.address)
         print(json.dumps(st) if args.json else jobs.format_status(st))
+    elif args.command == "stop":
+        print(json.dumps(jobs.stop(args.run, args.address, args.wait)))
     else:
         print(json.dumps(jobs.scale(args.rollout, args.reward, args.run, args.address, args.wait)))
     return 0
@@ -133,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             print(init_model(args.out, seed=args.seed, target_accuracy=args.target_accuracy))
             return 0
-        if args.command in ("submit", "status", "scale"):
+        if args.command in ("submit", "status", "scale", "stop"):
             try:
                 return _cluster_command(args)
             except (LookupError, ValueError, TimeoutError) as e:  # no such run/job, bad --rollout, not applied

@@ -7,6 +7,8 @@
 - **Ray metrics.** The driver reports each step's metrics; the controller exports them with ``ray.util.metrics``
   (``fleetrl_*``), so they show in the Ray dashboard's metrics view and on Ray's Prometheus endpoint (which
   prefixes application metrics with ``ray_``).
+- **Graceful stop.** ``fleetrl stop`` calls :meth:`FleetController.request_stop`; the driver finishes the step it
+  is in, evaluates, writes the final policy and exits 0.
 - **Status.** :meth:`FleetController.status` returns the latest step's numbers (``fleetrl status`` also reads them
   from the job's log lines when it cannot reach the actor).
 """
@@ -50,6 +52,7 @@ class FleetController:
     def __init__(self, run: str, rollout_workers: int, reward_workers: int):
         self.run = run
         self._desired = {"rollout": rollout_workers, "reward": reward_workers}
+        self._stop = False
         self._status: dict = {"run": run, "started": time.time()}
         self._metrics = _make_metrics(run)
         self._totals: dict[str, float] = {}
@@ -64,7 +67,13 @@ class FleetController:
         return dict(self._desired)
 
     def desired(self) -> dict:
-        return dict(self._desired)
+        return {**self._desired, "stop": self._stop}
+
+    def request_stop(self) -> dict:
+        """Ask for a graceful stop: the driver ends at the next step boundary with a final eval, the final policy
+        and the summary, and the job ends SUCCEEDED (``ray job stop`` kills it instead)."""
+        self._stop = True
+        return self.status()
 
     def report(self, metrics: dict) -> None:
         """One step's metrics from the driver: export the fleetrl_* metrics and keep them for status."""

@@ -118,10 +118,37 @@ def format_status(s: dict) -> str:
 def scale(rollout: int | None, reward: int | None, run: str | None, address: str | None, wait_s: float) -> dict:
     """Ask a running job's controller for new pool sizes; with ``wait_s`` > 0, wait until the driver applied them.
     Connects to the cluster as a Ray client (run it on a cluster node, or through `ray job submit`)."""
-    import os
-
     if rollout is None and reward is None:
         raise ValueError("give --rollout N and/or --reward M")
+    ctl = _controller(run, address)
+    desired = _call(ctl.scale, rollout=rollout, reward=reward)
+    status = _wait(ctl, lambda s: _applied(s, desired), wait_s,
+                   f"the run did not reach {desired} (it applies a resize at the next step boundary)")
+    return {"desired": desired, "rollout_workers": status.get("rollout/workers"),
+            "reward_workers": status.get("reward/workers"), "step": status.get("step")}
+
+
+def stop(run: str | None, address: str | None, wait_s: float) -> dict:
+    """Graceful stop: the driver ends at the next step boundary (final eval, final policy, summary) and the job
+    ends SUCCEEDED. With ``wait_s`` > 0, wait until the run has ended (its controller is gone)."""
+    ctl = _controller(run, address)
+    status = _call(ctl.request_stop)
+    deadline = time.monotonic() + wait_s
+    while wait_s > 0:
+        try:
+            status = _call(ctl.status)
+        except LookupError:
+            return {"stopped": True, "step": status.get("step")}
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the run did not end within {wait_s:.0f}s (it stops at the next step boundary, "
+                               f"after a final eval); last step {status.get('step')}")
+        time.sleep(0.5)
+    return {"stopped": False, "step": status.get("step")}
+
+
+def _controller(run: str | None, address: str | None):
+    import os
+
     if auth_token() and "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "token"  # read when ray is imported
     import ray
@@ -129,19 +156,33 @@ def scale(rollout: int | None, reward: int | None, run: str | None, address: str
     from orchestrator.controller import get_controller
 
     ray.init(address=address if address and not address.startswith("http") else "auto", logging_level="ERROR")
-    ctl = get_controller(run)
-    desired = ray.get(ctl.scale.remote(rollout=rollout, reward=reward))
+    return get_controller(run)
+
+
+def _call(method, **kwargs):
+    """A controller call; the controller dies with its run, which surfaces as LookupError."""
+    import ray
+
+    try:
+        return ray.get(method.remote(**kwargs))
+    except ray.exceptions.RayActorError:
+        raise LookupError("the run ended (its controller is gone)") from None
+
+
+def _wait(ctl, done, wait_s: float, what: str) -> dict:
     deadline = time.monotonic() + wait_s
-    status = ray.get(ctl.status.remote())
-    while wait_s > 0 and not _applied(status, desired):
+    status = _call(ctl.status)
+    while wait_s > 0 and not done(status):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the run did not reach {desired} within {wait_s:.0f}s (it applies a resize at the "
-                               f"next step boundary); now: {status.get('rollout/workers')} rollout, "
+            raise TimeoutError(f"{what} within {wait_s:.0f}s; now: {status.get('rollout/workers')} rollout, "
                                f"{status.get('reward/workers')} reward")
         time.sleep(0.5)
-        status = ray.get(ctl.status.remote())
-    return {"desired": desired, "rollout_workers": status.get("rollout/workers"),
-            "reward_workers": status.get("reward/workers"), "step": status.get("step")}
+        try:
+            status = _call(ctl.status)
+        except LookupError:
+            raise LookupError(f"the run ended before the resize was applied (last step {status.get('step')})") \
+                from None
+    return status
 
 
 def _applied(status: dict, desired: dict) -> bool:

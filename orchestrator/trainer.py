@@ -43,6 +43,7 @@ class Trainer:
         self.start_step = 0
         self.prefetch = None  # one_step_off: the next step's batch, being generated and scored
         self._weight_group = -1  # rollout pool membership the collective weight group was formed for
+        self.stop_requested = False  # `fleetrl stop`: end at the next step boundary
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
         self.resume_from = ckpt.resolve(resume, self.run_dir) if resume else None
 
@@ -112,7 +113,8 @@ class Trainer:
         t0 = time.perf_counter()
         save_every, bad_steps = self.cfg.trainer.save_every, 0
         for step in range(self.start_step, total + 1):
-            last = step == total or (budget is not None and time.perf_counter() - t0 > budget)
+            last = (step == total or self.stop_requested
+                    or (budget is not None and time.perf_counter() - t0 > budget))
             metrics = {"step": step, "policy_version": self.version}
             if self._is_eval_step(step) or (last and self.cfg.trainer.eval_every):
                 metrics.update(self.evaluate())
@@ -239,10 +241,14 @@ class Trainer:
         return self.version - oldest
 
     def apply_scaling(self) -> None:
-        """Resize the rollout and reward pools to what `fleetrl scale` asked for (nothing is in flight here)."""
+        """Resize the rollout and reward pools to what `fleetrl scale` asked for (nothing is in flight here), and
+        note a `fleetrl stop` request."""
         import ray
 
         want = ray.get(self.controller.desired.remote())
+        if want["stop"] and not self.stop_requested:
+            log.info("stop requested (fleetrl stop): ending after this step with a final eval and the final policy")
+            self.stop_requested = True
         self.rollouts.resize(want["rollout"])
         self.rewards.resize(want["reward"])
 

@@ -1,8 +1,9 @@
 """A real two-node Ray cluster on loopback (`ray start --head` plus a second `ray start --address`, each with its own
 resources; token authentication left on, as Ray 2.60 sets it). The embedded job is submitted with `fleetrl submit`,
-its rollout pool is scaled 1 -> 2 -> 1 while it runs with `fleetrl scale`, it is polled to SUCCEEDED with
-`fleetrl status`, and Ray's Prometheus export is scraped for the fleetrl_* metrics. Every prompt of every step
-must have been generated and scored exactly once (checked from the run's rollout dumps)."""
+its rollout pool is scaled 1 -> 2 -> 1 while it runs with `fleetrl scale`, it is stopped gracefully with
+`fleetrl stop` and polled to SUCCEEDED with `fleetrl status`, and Ray's Prometheus export is scraped for the
+fleetrl_* metrics. Every prompt of every step must have been generated and scored exactly once (checked from the
+run's rollout dumps)."""
 
 import json
 import os
@@ -27,7 +28,7 @@ METRICS = ["fleetrl_step", "fleetrl_reward_mean", "fleetrl_eval_accuracy", "flee
            "fleetrl_generated_tokens_total", "fleetrl_tokens_per_second", "fleetrl_policy_version",
            "fleetrl_weight_sync_seconds", "fleetrl_rollout_workers", "fleetrl_reward_errors_total",
            "fleetrl_rollout_queue_depth"]
-STEPS, PROMPTS, G = 30, 8, 4
+MAX_STEPS, PROMPTS, G = 400, 8, 4  # the test ends the run with `fleetrl stop` long before MAX_STEPS
 
 
 def _ports(n: int) -> list[int]:
@@ -133,7 +134,7 @@ def test_two_node_cluster_submit_scale_status_metrics(cluster, tmp_path):
     if not (ROOT / EMBEDDED_MODEL_PATH / "config.json").exists():  # the job gets it by absolute path: build it here
         init_model(ROOT / EMBEDDED_MODEL_PATH)
     out = _fleetrl(env, "submit", "--address", cluster["jobs"], "--python", sys.executable,
-                   f"model.path={ROOT / EMBEDDED_MODEL_PATH}", f"run.dir={run_dir}", f"trainer.total_steps={STEPS}",
+                   f"model.path={ROOT / EMBEDDED_MODEL_PATH}", f"run.dir={run_dir}", f"trainer.total_steps={MAX_STEPS}",
                    "trainer.eval_every=10", "data.eval_size=16", f"data.prompts_per_step={PROMPTS}",
                    f"rollout.group_size={G}", "rollout.num_workers=1", "rollout.resources={rollout_node: 1}",
                    "learner.num_ranks=1", "learner.zero_stage=0", "learner.resources={learner_node: 1}",
@@ -147,6 +148,8 @@ def test_two_node_cluster_submit_scale_status_metrics(cluster, tmp_path):
     grown = max(r["step"] for r in _rows(run_dir))
     _wait_step(run_dir, grown + 3)
     assert json.loads(_fleetrl(scale_env, "scale", "--rollout", "1"))["rollout_workers"] == 1
+    shrunk = max(r["step"] for r in _rows(run_dir))
+    _wait_step(run_dir, shrunk + 2)
 
     scraped, deadline = "", time.monotonic() + 90
     while not all(m in scraped for m in METRICS) and time.monotonic() < deadline:
@@ -154,16 +157,21 @@ def test_two_node_cluster_submit_scale_status_metrics(cluster, tmp_path):
         scraped = _scrape(cluster["metrics"])
     assert [m for m in METRICS if m not in scraped] == [], [x for x in scraped.splitlines() if "fleetrl" in x]
 
-    deadline, status = time.monotonic() + 400, {}
+    stopped = json.loads(_fleetrl(scale_env, "stop", "--run", "cluster-run"))
+    assert stopped["stopped"], stopped
+    deadline, status = time.monotonic() + 120, {}
     while status.get("status") not in ("SUCCEEDED", "FAILED", "STOPPED"):
         assert time.monotonic() < deadline, status
         time.sleep(2)
         status = json.loads(_fleetrl(env, "status", job, "--address", cluster["jobs"], "--json"))
     assert status["status"] == "SUCCEEDED", status
-    assert status["step"] == STEPS and 0 <= status["eval_accuracy"] <= 1
+    last = status["step"]
+    assert shrunk + 2 < last < MAX_STEPS and 0 <= status["eval_accuracy"] <= 1
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == last
+    assert (run_dir / "final" / "config.json").exists()
 
     rows = [r for r in _rows(run_dir) if "reward/mean" in r]
-    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert [r["step"] for r in rows] == list(range(last))
     sizes = [r["rollout/workers"] for r in rows]
     assert 2 in sizes and sizes[-1] == 1 and sizes[0] == 1
     _check_exactly_once(run_dir, rows)
