@@ -8,9 +8,11 @@ Two cases at identical model, task, prompts per step, G, completion cap, samplin
 * ``gen_heavy``: ``configs/gen_heavy.yaml`` (~24 M params, 8 prompts x G=8, exactly 128 tokens each).
 
 fleetrl runs as ``python -m orchestrator train -c <config>`` (2 vLLM rollout actors, 1 reward actor, 2 DeepSpeed
-ranks), once per ``rollout.mode`` this checkout supports (``sync``, ``one_step_off``); TRL runs in one process
-with 2 torch threads (:mod:`bench.trl_grpo`). Each system's first steps are warm-up and dropped; the median of
-the rest is reported. Start-up (Ray, engines, DeepSpeed; TRL's imports) is excluded from both.
+ranks), once per variant in ``VARIANTS``; TRL runs in one process with 2 torch threads (:mod:`bench.trl_grpo`).
+On ``gen_heavy`` both run twice by precision: all fp32 (like for like), and mixed (fleetrl: bf16 compiled
+engines, bf16 autocast in the learner, fp32 weights and optimizer; TRL: its ``bf16=True``). Each system's first
+steps are warm-up and dropped; the median of the rest is reported. Start-up (Ray, engines, DeepSpeed; TRL's
+imports) is excluded from both.
 """
 
 from __future__ import annotations
@@ -45,17 +47,29 @@ QUICK = {
 LR = 3e-5
 
 
-def fleetrl_case(name: str, c: dict, mode: str) -> dict:
+FP32 = ["rollout.dtype=float32", "rollout.enforce_eager=true", "learner.mixed_precision=no"]
+BF16 = ["rollout.dtype=bfloat16", "rollout.enforce_eager=false", "learner.mixed_precision=bfloat16"]
+# fleetrl variants per case: (label, mode, overrides). gen_heavy.yaml itself is the bf16 one; the fp32 variant is
+# the like-for-like match for TRL's fp32 run.
+VARIANTS = {
+    "small": [("sync", "sync", []), ("one_step_off", "one_step_off", [])],
+    "gen_heavy": [("sync, fp32", "sync", FP32), ("sync, bf16 engines + autocast", "sync", BF16),
+                  ("one_step_off, bf16", "one_step_off", BF16)],
+}
+
+
+def fleetrl_case(name: str, c: dict, label: str, mode: str, extra: list[str]) -> dict:
     """One fleetrl run; per-step medians of its metrics after the warm-up steps."""
     overrides = [f"model.path={c['model']}", f"data.prompts_per_step={c['P']}", f"rollout.group_size={c['G']}",
                  f"rollout.max_new_tokens={c['L']}", f"learner.lr={LR}", "learner.epochs=1",
-                 f"trainer.total_steps={c['steps']}", "trainer.eval_every=0"]
+                 f"trainer.total_steps={c['steps']}", "trainer.eval_every=0", *extra]
     if mode != "sync":
         overrides.append(f"rollout.mode={mode}")
-    run = run_fleetrl(f"e2e-{name}-fleetrl-{mode}", c["config"], overrides)
+    slug = label.split(",")[0] + ("-bf16" if "bf16" in label else "")
+    run = run_fleetrl(f"e2e-{name}-fleetrl-{slug}", c["config"], overrides)
     rows = training_rows(run["rows"], c["skip"])
     step_s = median(r["time/step_s"] for r in rows)
-    out = {"system": f"fleetrl ({mode})", "step_s": step_s, "completions_per_s": c["P"] * c["G"] / step_s,
+    out = {"system": f"fleetrl ({label})", "step_s": step_s, "completions_per_s": c["P"] * c["G"] / step_s,
            "tokens_per_s": median(r["tokens_generated"] / r["time/step_s"] for r in rows),
            "mean_len": median(r["response/length_mean"] for r in rows), "steps_measured": len(rows),
            "command": run["command"]}
@@ -70,15 +84,18 @@ def fleetrl_case(name: str, c: dict, mode: str) -> dict:
     return out
 
 
-def trl_case(name: str, c: dict) -> dict:
-    """One TRL run; median step seconds after the warm-up steps (timed by the bench callback)."""
-    report = run_trl(f"e2e-{name}-trl", [
+def trl_case(name: str, c: dict, bf16: bool = False) -> dict:
+    """One TRL run; median step seconds after the warm-up steps (timed by the bench callback). ``bf16``: TRL's
+    own mixed precision (``bf16=True``: autocast in training)."""
+    report = run_trl(f"e2e-{name}-trl" + ("-bf16" if bf16 else ""), [
         "--model", c["model"], "--prompts-per-step", str(c["P"]), "--group-size", str(c["G"]),
-        "--max-tokens", str(c["L"]), "--lr", str(LR), "--epochs", "1", "--steps", str(c["trl_steps"])])
+        "--max-tokens", str(c["L"]), "--lr", str(LR), "--epochs", "1", "--steps", str(c["trl_steps"]),
+        *(["--bf16"] if bf16 else [])])
     steps = report["steps"][c["skip"]:]
     lens = [float(x["completions/mean_length"]) for x in report["logs"] if "completions/mean_length" in x]
     step_s = median(s["step_s"] for s in steps)
-    return {"system": "TRL GRPOTrainer", "step_s": step_s, "completions_per_s": c["P"] * c["G"] / step_s,
+    return {"system": "TRL GRPOTrainer" + (" (bf16)" if bf16 else " (fp32)"), "step_s": step_s,
+            "completions_per_s": c["P"] * c["G"] / step_s,
             "tokens_per_s": c["P"] * c["G"] * median(lens[c["skip"]:]) / step_s,
             "mean_len": median(lens[c["skip"]:]), "steps_measured": len(steps), "command": report["command"]}
 
@@ -91,14 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     for name, c in cases.items():
         require_model(c["model"], c["preset"])
         trl = trl_case(name, c)
-        runs = [fleetrl_case(name, c, mode) for mode in modes] + [trl]
+        trls = [trl] + ([trl_case(name, c, bf16=True)] if name == "gen_heavy" else [])
+        runs = [fleetrl_case(name, c, *v) for v in VARIANTS[name] if v[1] in modes] + trls
         results[name] = {"settings": {**c, "lr": LR}, "runs": runs}
         for r in runs:
             rows.append([name, r["system"], r["step_s"], r["completions_per_s"], r["tokens_per_s"], r["mean_len"],
-                         r["completions_per_s"] / trl["completions_per_s"], r.get("generate_s", ""),
+                         r["completions_per_s"] / trl["completions_per_s"],
+                         r["completions_per_s"] / trls[-1]["completions_per_s"], r.get("generate_s", ""),
                          r.get("learner_s", ""), r.get("step_over_max_gen_learner", ""), r.get("time/overhead_s", "")])
     print_table("end to end: fleetrl GRPO vs TRL GRPOTrainer (median over measured steps)",
-                ["case", "system", "s/step", "completions/s", "tokens/s", "mean completion len", "vs TRL",
+                ["case", "system", "s/step", "completions/s", "tokens/s", "mean completion len", "vs TRL fp32",
+                 "vs TRL bf16 (gen_heavy)",
                  "generate s", "learner s", "step / max(gen, learner)", "overhead s"], rows)
     save_result("end_to_end", args.quick, results)
     return 0

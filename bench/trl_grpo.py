@@ -40,6 +40,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--eval-every", type=int, default=0, help="greedy held-out eval every N steps (0: none)")
     ap.add_argument("--eval-size", type=int, default=400)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bf16", action="store_true", help="TRL's mixed precision (bf16=True)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--run-dir", required=True)
@@ -137,7 +138,7 @@ def grpo_config(args):
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
         adam_beta2=0.999, max_grad_norm=1.0, num_iterations=args.epochs, beta=0.0, epsilon=0.2,
         temperature=args.temperature, top_p=1.0, top_k=0, loss_type="dapo", scale_rewards="group",
-        max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+        max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=args.bf16,
         fp16=False, seed=args.seed, data_seed=args.seed, shuffle_dataset=False, gradient_checkpointing=False,
         disable_dropout=True, dataloader_num_workers=0, log_completions=False, remove_unused_columns=False,
         disable_tqdm=True,

@@ -26,7 +26,8 @@ class LearnerWorker:
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
                  dtype: str, ds_config: dict, loss_kwargs: dict, temperature: float, seed: int, torch_threads: int,
-                 gradient_checkpointing: bool = False, role: str = "actor", reference: bool = True):
+                 gradient_checkpointing: bool = False, role: str = "actor", reference: bool = True,
+                 autocast: str | None = None):
         """``role="actor"``: causal LM policy + frozen reference, trained with ``policy_loss(**loss_kwargs)``.
         ``role="critic"``: the same architecture with a scalar head (initialized from the policy weights, head
         fresh), trained with ``value_loss(**loss_kwargs)``."""
@@ -46,6 +47,7 @@ class LearnerWorker:
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         torch_dtype = getattr(torch, dtype)
         self.role = role
+        self.autocast = getattr(torch, autocast) if autocast else None  # mixed precision: compute dtype
         self.ref = None  # the frozen reference policy, only when a KL term reads it (or KL is logged)
         if role == "critic":
             model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch_dtype)
@@ -64,18 +66,23 @@ class LearnerWorker:
         self.model_path = model_path
 
     # ---- forward passes -------------------------------------------------------------------------------
-    def _forward(self, model, mb: TrainBatch):
+    def _run(self, model, mb: TrainBatch):
+        """The model's output head over the micro-batch; under ``learner.mixed_precision`` the forward (and so
+        the backward) computes in bf16 while parameters, gradients and optimizer state keep their dtype."""
+        import torch
+
         ids = mb.input_ids.to(self.device)
         attn = mb.attention_mask.to(self.device)
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn)).logits
-        return response_logprobs(logits, _to(mb, self.device), self.temperature)
+        with torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16, enabled=bool(self.autocast)):
+            return model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn)).logits
+
+    def _forward(self, model, mb: TrainBatch):
+        return response_logprobs(self._run(model, mb), _to(mb, self.device), self.temperature)
 
     def _values(self, model, mb: TrainBatch):
         """Critic values ``[b, T]``: V at the state before each response token (same positions as the logits
         that predict it)."""
-        ids = mb.input_ids.to(self.device)
-        attn = mb.attention_mask.to(self.device)
-        out = model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn)).logits[..., 0].float()
+        out = self._run(model, mb)[..., 0].float()
         return out[:, mb.prompt_len - 1: -1] * mb.response_mask.to(self.device)
 
     def compute_values(self, shard: TrainBatch, micro_batch_size: int):
@@ -155,8 +162,9 @@ class LearnerWorker:
 
     def _actor_loss(self, mb: TrainBatch, first_pass: bool = False):
         """Policy loss of one micro-batch. When the driver sent no reference logprobs the reference forward runs
-        here, fused into the training pass (no separate round trip). On the first pass over the batch (weights
-        not yet updated) the largest |learner - engine| logprob gap of the sampled tokens is measured for free."""
+        here, fused into the training pass (no separate round trip); when it sent no old logprobs (a batch used
+        once) this first pass's own logprobs are the old ones. On the first pass over the batch (weights not yet
+        updated) the largest |learner - engine| logprob gap of the sampled tokens is measured for free."""
         import torch
 
         from learner.losses import policy_loss
@@ -166,6 +174,10 @@ class LearnerWorker:
                 mb = replace(mb, ref_logprobs=self._forward(self.ref, mb)[0])
         logp, entropy = self._forward(self.engine, mb)
         mb = _to(mb, self.device)
+        if mb.old_logprobs is None:  # the batch is used once: the policy before this update is the current one
+            if not first_pass:
+                raise ValueError("old_logprobs are needed after the first pass (more than one epoch or minibatch)")
+            mb = replace(mb, old_logprobs=logp.detach())
         loss, metrics = policy_loss(logp, mb.old_logprobs, mb.advantages, mb.response_mask, mb.scale,
                                     ref_logp=mb.ref_logprobs, entropy=entropy, rollout_logp=mb.rollout_logprobs,
                                     **self.loss_kwargs)

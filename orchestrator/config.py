@@ -130,6 +130,13 @@ class RolloutConfig(Section):
     (one_step_off needs >= 1); a larger gap stops the run."""
     resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources each rollout actor requests (e.g. `{rollout_gpu: 1}`), beside num_cpus/num_gpus."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Engine dtype; `auto` = model.dtype. A lower precision than the learner's (bf16 engines, fp32 learner)
+    generates faster; the learner's own first-pass logprobs are the old logprobs and the truncated IS
+    (`algorithm.tis_cap`) corrects for the engine/learner gap."""
+    enforce_eager: bool | None = None
+    """vLLM eager mode. None: eager on CPU (fast start; a compiled graph takes ~40-90 s per engine to build here
+    and pays off only on larger models), compiled/CUDA graphs on GPU. false: torch.compile on CPU too."""
 
 
 class RewardFunctionSpec(Section):
@@ -385,11 +392,16 @@ class LearnerConfig(Section):
     log_kl: bool = False
     """Keep the frozen reference model and log KL(pi || pi_ref) even when no loss term uses it (one more forward
     pass per step). With `algorithm.kl_coef` > 0 (or PPO's `kl_reward_coef`) the reference is always there."""
+    mixed_precision: Literal["no", "bfloat16", "float16"] = "no"
+    """Compute the learner's forward and backward under torch.autocast in this dtype (AMX / tensor-core matmuls)
+    while parameters, gradients and optimizer state stay in model.dtype. On this machine's CPU (AMX) bf16 makes
+    the 24 M-param update ~1.45x faster (docs/BENCHMARKS.md)."""
     logprob_pass: Literal["auto", "always"] = "auto"
-    """`auto`: when the batch is used once by the policy that generated it (rollout.mode=sync, 1 epoch, 1
-    minibatch, float32, no critic), the engine's logprobs stand in for the old logprobs and the reference pass
-    is fused into the training pass, so there is no separate forward pass. `always`: a separate pass computes
-    old and reference logprobs before the update."""
+    """`auto`: when the batch is used once (1 epoch, 1 minibatch, no critic), the old logprobs are the learner's
+    own logprobs in the update's first pass (the weights before the update, so the PPO ratio starts at exactly 1)
+    and the reference pass is fused into that pass: no separate forward pass. Engine/learner differences (a
+    one_step_off batch, bf16 engines) are weighed by the truncated IS. `always`: a separate pass computes old and
+    reference logprobs before the update."""
     num_cpus: float = Field(0.5, ge=0.0)
     """Ray CPUs reserved by each learner rank."""
     num_gpus: float = Field(0.0, ge=0.0)
@@ -452,6 +464,11 @@ class FleetConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     rft: RFTConfig = Field(default_factory=RFTConfig)
+
+    @property
+    def engine_dtype(self) -> str:
+        """The rollout engines' dtype (``rollout.dtype``, where `auto` is ``model.dtype``)."""
+        return self.model.dtype if self.rollout.dtype == "auto" else self.rollout.dtype
 
     @model_validator(mode="after")
     def _check_batch_split(self) -> FleetConfig:

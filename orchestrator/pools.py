@@ -131,8 +131,9 @@ class RolloutPool(ActorPool):
             resources=r.resources or None,
         )
         return actor.remote(
-            self.cfg.model.path, self.cfg.model.dtype, self.max_model_len, r.kv_cache_gib,
+            self.cfg.model.path, self.cfg.engine_dtype, self.max_model_len, r.kv_cache_gib,
             self.cfg.rollout.seed + index, r.gpu_memory_utilization, r.tensor_parallel_size,
+            enforce_eager=r.enforce_eager,
         )
 
     def _after_restart(self, worker) -> None:
@@ -260,7 +261,7 @@ class LearnerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
             ).remote(r, self.world, master_addr, port, cfg.model.path, cfg.model.dtype, dsc, loss_kwargs,
                      cfg.rollout.temperature, cfg.trainer.seed, cfg.trainer.torch_threads, lc.gradient_checkpointing,
-                     role, cfg.uses_reference)
+                     role, cfg.uses_reference, None if lc.mixed_precision == "no" else lc.mixed_precision)
             for r in range(self.world)
         ]
         ray.get([w.ping.remote() for w in self.ranks])

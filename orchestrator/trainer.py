@@ -179,8 +179,8 @@ class Trainer:
         with timer("logprobs"):
             if self.separate_logprob_pass():
                 batch = self.learner.compute_logprobs(batch)
-            else:  # the engine's logprobs are the old logprobs; the reference pass runs inside the update
-                batch.old_logprobs = batch.rollout_logprobs.clone()
+            else:  # old logprobs come from the update's first pass, the reference pass is fused into it
+                batch.old_logprobs = None
             if self.critic:
                 batch.old_values = self.critic.compute_values(batch)
         with timer("advantages"):
@@ -226,11 +226,11 @@ class Trainer:
         return len({x.sample.prompt_uid for x in scored})
 
     def separate_logprob_pass(self) -> bool:
-        """Whether old/reference logprobs need their own forward pass before the update (see learner.logprob_pass)."""
+        """Whether old/reference logprobs need their own forward pass before the update (see learner.logprob_pass):
+        only when the batch is used more than once, or PPO needs them for its KL-shaped rewards before the update."""
         c = self.cfg
-        reusable = (c.rollout.mode == "sync" and c.learner.epochs == 1 and c.learner.num_minibatches == 1
-                    and c.model.dtype == "float32" and not c.algorithm.uses_critic)
-        return c.learner.logprob_pass == "always" or not reusable
+        used_once = c.learner.epochs == 1 and c.learner.num_minibatches == 1 and not c.algorithm.uses_critic
+        return c.learner.logprob_pass == "always" or not used_once
 
     def _check_staleness(self, scored: list[ScoredSample]) -> int:
         """How many versions the oldest sample lags the learner; past ``rollout.max_staleness`` is an error."""
@@ -394,8 +394,10 @@ class Trainer:
         mask = batch.response_mask.bool()
         if "actor/rollout_logprob_gap_max" in train_metrics:  # measured in the update's first pass
             diff = torch.tensor([train_metrics["actor/rollout_logprob_gap_max"]])
-        else:
+        elif batch.old_logprobs is not None:
             diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask]
+        else:
+            diff = torch.zeros(0)
         lengths = mask.sum(-1).float()
         components = {f"reward/{name}": sum(x.components.get(name, 0.0) for x in scored) / len(scored)
                       for name in sorted({k for x in scored for k in x.components})}

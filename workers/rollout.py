@@ -27,13 +27,15 @@ class RolloutWorker:
     """Plain class; the orchestrator wraps it with ``ray.remote`` and names it ``rollout-i``."""
 
     def __init__(self, model_path: str, dtype: str, max_model_len: int, kv_cache_gib: float, seed: int,
-                 gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1, max_num_seqs: int = 256):
+                 gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1, max_num_seqs: int = 256,
+                 enforce_eager: bool | None = None):
         for key, value in CPU_ENV.items():
             os.environ.setdefault(key, value)
         from vllm import LLM
 
         kwargs = dict(
-            model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=True,
+            model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+            enforce_eager=_on_cpu() if enforce_eager is None else enforce_eager,
             tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
             worker_extension_cls="workers.nccl_sync.NcclWeightSyncExtension", enable_prefix_caching=True,
         )
