@@ -51,6 +51,12 @@ def save_result(name: str, quick: bool, data: dict) -> Path:
     return path
 
 
+def load_result(name: str, quick: bool) -> dict:
+    """The last saved result of a benchmark ({} when there is none)."""
+    path = RESULTS_DIR / f"{name}{'-quick' if quick else ''}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from bench.build_models import model_path
 from bench.common import (
     fleetrl_supports,
+    load_result,
     median,
     parse_args,
     print_table,
@@ -47,7 +48,7 @@ QUICK = {
 LR = 3e-5
 
 
-FP32 = ["rollout.dtype=float32", "rollout.enforce_eager=true", "learner.mixed_precision=no"]
+FP32 = ["rollout.dtype=float32", "rollout.enforce_eager=true", "learner.mixed_precision=null"]
 BF16 = ["rollout.dtype=bfloat16", "rollout.enforce_eager=false", "learner.mixed_precision=bfloat16"]
 # fleetrl variants per case: (label, mode, overrides). gen_heavy.yaml itself is the bf16 one; the fp32 variant is
 # the like-for-like match for TRL's fp32 run.
@@ -101,8 +102,11 @@ def trl_case(name: str, c: dict, bf16: bool = False) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(__doc__, argv)
+    args = parse_args(__doc__, argv, lambda ap: ap.add_argument(
+        "--case", choices=list(FULL), help="run one case only (the other's last results are kept)"))
     cases = QUICK if args.quick else FULL
+    if args.case:
+        cases = {args.case: cases[args.case]}
     modes = ["sync"] + (["one_step_off"] if fleetrl_supports("rollout.mode=one_step_off") else [])
     results, rows = {}, []
     for name, c in cases.items():
@@ -120,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
                 ["case", "system", "s/step", "completions/s", "tokens/s", "mean completion len", "vs TRL fp32",
                  "vs TRL bf16 (gen_heavy)",
                  "generate s", "learner s", "step / max(gen, learner)", "overhead s"], rows)
+    if args.case:  # keep the other case's last results
+        previous = load_result("end_to_end", args.quick)
+        results = {**{k: v for k, v in previous.items() if k in FULL}, **results}
     save_result("end_to_end", args.quick, results)
     return 0
 

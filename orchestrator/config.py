@@ -392,10 +392,10 @@ class LearnerConfig(Section):
     log_kl: bool = False
     """Keep the frozen reference model and log KL(pi || pi_ref) even when no loss term uses it (one more forward
     pass per step). With `algorithm.kl_coef` > 0 (or PPO's `kl_reward_coef`) the reference is always there."""
-    mixed_precision: Literal["no", "bfloat16", "float16"] = "no"
-    """Compute the learner's forward and backward under torch.autocast in this dtype (AMX / tensor-core matmuls)
-    while parameters, gradients and optimizer state stay in model.dtype. On this machine's CPU (AMX) bf16 makes
-    the 24 M-param update ~1.45x faster (docs/BENCHMARKS.md)."""
+    mixed_precision: Literal["bfloat16", "float16"] | None = None
+    """None: plain model.dtype. Otherwise the learner's forward and backward compute under torch.autocast in this
+    dtype (AMX / tensor-core matmuls) while parameters, gradients and optimizer state stay in model.dtype. On this
+    machine's CPU (AMX) bf16 makes the 24 M-param update ~1.45x faster (docs/BENCHMARKS.md)."""
     logprob_pass: Literal["auto", "always"] = "auto"
     """`auto`: when the batch is used once (1 epoch, 1 minibatch, no critic), the old logprobs are the learner's
     own logprobs in the update's first pass (the weights before the update, so the PPO ratio starts at exactly 1)

@@ -261,7 +261,7 @@ class LearnerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
             ).remote(r, self.world, master_addr, port, cfg.model.path, cfg.model.dtype, dsc, loss_kwargs,
                      cfg.rollout.temperature, cfg.trainer.seed, cfg.trainer.torch_threads, lc.gradient_checkpointing,
-                     role, cfg.uses_reference, None if lc.mixed_precision == "no" else lc.mixed_precision)
+                     role, cfg.uses_reference, lc.mixed_precision)
             for r in range(self.world)
         ]
         ray.get([w.ping.remote() for w in self.ranks])
