@@ -95,13 +95,13 @@ def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "re
     cfg = cfg.model_copy(deep=True)
     cfg.model.path = str(resolve_model_dir(checkpoint))
     from orchestrator.pools import RewardPool, RolloutPool
-    from orchestrator.trainer import _make_task, _max_model_len, init_ray
+    from orchestrator.trainer import init_ray, make_task, max_model_len
     from rewards.functions import math_reward
 
-    prompts = _make_task(cfg).eval_set(cfg.data.eval_size)
+    prompts = make_task(cfg).eval_set(cfg.data.eval_size)
     init_ray(cfg)
     t0 = time.perf_counter()
-    rollouts, rewards = RolloutPool(cfg, max_model_len=_max_model_len(cfg)), RewardPool(cfg)
+    rollouts, rewards = RolloutPool(cfg, max_model_len=max_model_len(cfg)), RewardPool(cfg)
     greedy = rollouts.generate(prompts, 1, temperature=0.0, seed=None)
     n_max = max(ns)
     scored, errors = rewards.score(rollouts.generate(prompts, n_max, cfg.rollout.temperature, seed=cfg.rollout.seed))

@@ -25,7 +25,7 @@ from pathlib import Path
 from learner.batch import TrainBatch, build_batch
 from orchestrator.config import ConfigError, FleetConfig
 from orchestrator.metrics import PhaseTimer
-from orchestrator.trainer import Trainer, _rename
+from orchestrator.trainer import Trainer, learner_metrics
 from rewards.functions import math_reward
 from workers.records import Sample, ScoredSample
 
@@ -109,7 +109,7 @@ class RFTTrainer(Trainer):
             out["weight_sync/logprob_max_diff"] = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask].max().item()
             out["rft/nll_before"] = -batch.old_logprobs[mask].mean().item()  # token-mean NLL of the kept samples
             with timer("learn"):
-                out.update(_rename(self.learn(batch)))
+                out.update(learner_metrics(self.learn(batch)))
             with timer("sync"):
                 out.update(self.push_weights())
         else:

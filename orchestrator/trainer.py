@@ -36,7 +36,7 @@ class Trainer:
     def __init__(self, cfg: FleetConfig, resume: str | None = None):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
-        self.task = _make_task(cfg)
+        self.task = make_task(cfg)
         self.eval_prompts = self.task.eval_set(cfg.data.eval_size)
         self.tokenizer = _load_tokenizer(cfg.model.path) if cfg.algorithm.uses_step_rewards else None
         self.version = 0
@@ -54,7 +54,7 @@ class Trainer:
         if self.resume_from:
             self.start_step = ckpt.load_state(self.resume_from)["step"]
         self.metrics = MetricsLogger(self.run_dir, self.cfg.run.plot_every, keep_before=self.start_step)
-        max_len = _max_model_len(self.cfg)
+        max_len = max_model_len(self.cfg)
         t0 = time.perf_counter()
         self.learner = LearnerGroup(self.cfg)
         self.critic = LearnerGroup(self.cfg, role="critic") if self.cfg.algorithm.uses_critic else None
@@ -194,7 +194,8 @@ class Trainer:
         with timer("sync"):
             sync_metrics = self.push_weights()
         out = {**self._rollout_metrics(scored, batch, reward_errors, train_metrics, staleness),
-               **_rename(train_metrics), **sync_metrics, **sampling, **self._timing(timer, train_metrics, queued)}
+               **learner_metrics(train_metrics), **sync_metrics, **sampling,
+               **self._timing(timer, train_metrics, queued)}
         out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
         out["throughput/samples_per_s"] = len(scored) / out["time/step_s"]
         return out
@@ -439,7 +440,7 @@ def _group_ids(scored: list[ScoredSample]) -> torch.Tensor:
     return torch.tensor([index.setdefault(s.sample.prompt_uid, len(index)) for s in scored])
 
 
-def _rename(m: dict) -> dict:
+def learner_metrics(m: dict) -> dict:
     """Learner metrics under their role prefix, plus the short names the run summary uses."""
     out = dict(m)
     out["loss"] = m.get("actor/loss", float("nan"))
@@ -472,7 +473,7 @@ def init_ray(cfg: FleetConfig) -> None:
         ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(_cpus_needed(cfg))), include_dashboard=False)
 
 
-def _make_task(cfg: FleetConfig):
+def make_task(cfg: FleetConfig):
     """The built-in task, or a JSONL dataset (``data.path``) with prompts filtered by token length."""
     d = cfg.data
     if d.path is None:
@@ -493,7 +494,7 @@ def _load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def _max_model_len(cfg: FleetConfig) -> int:
+def max_model_len(cfg: FleetConfig) -> int:
     """Engine context: the prompt limit plus the completion cap, within the model's position range."""
     import json
 

@@ -8,7 +8,6 @@ run's rollout dumps)."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 from orchestrator.config import EMBEDDED_MODEL_PATH
 from orchestrator.embedded_model import init_model
 from rewards.tasks import ArithmeticTask
+from tests.conftest import free_ports, node_ports_args, stop_ray_processes
 from tests.test_e2e import ROOT
 
 BIN = Path(sys.executable).parent
@@ -31,25 +31,9 @@ METRICS = ["fleetrl_step", "fleetrl_reward_mean", "fleetrl_eval_accuracy", "flee
 MAX_STEPS, PROMPTS, G = 400, 8, 4  # the test ends the run with `fleetrl stop` long before MAX_STEPS
 
 
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def _node_args(metrics_port: int, agent_port: int, grpc_port: int, env_port: int) -> list[str]:
-    return ["--metrics-export-port", str(metrics_port), "--dashboard-agent-listen-port", str(agent_port),
-            "--dashboard-agent-grpc-port", str(grpc_port), "--runtime-env-agent-port", str(env_port),
-            "--object-store-memory", str(300 * 2**20), "--disable-usage-stats"]
-
-
 @pytest.fixture
 def cluster(tmp_path):
-    gcs, dash, *p = _ports(10)
+    gcs, dash, *p = free_ports(10)
     # with a token in ~/.ray/auth_token the head turns token auth on; a joining node opts in with RAY_AUTH_MODE=token.
     # The fleetrl commands get no such variable: they must find and send the token themselves.
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PATH=f"{BIN}:{os.environ['PATH']}")
@@ -61,16 +45,16 @@ def cluster(tmp_path):
     temp = Path(f"/tmp/fleetrl-cluster-{os.getpid()}")  # short: Ray's socket paths have a length limit
     head = [ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs), "--dashboard-host",
             "127.0.0.1", "--dashboard-port", str(dash), "--num-cpus", "3", "--resources", '{"learner_node": 2}',
-            "--temp-dir", str(temp), *_node_args(*p[0:4])]
+            "--temp-dir", str(temp), *node_ports_args(*p[0:4])]
     worker = [ray, "start", "--address", f"127.0.0.1:{gcs}", "--node-ip-address", "127.0.0.1", "--num-cpus", "3",
-              "--resources", '{"rollout_node": 4}', *_node_args(*p[4:8])]
+              "--resources", '{"rollout_node": 4}', *node_ports_args(*p[4:8])]
     try:
         for cmd in (head, worker):
             subprocess.run(cmd, env=node_env, check=True, capture_output=True, text=True, timeout=120)
         assert _http_status(f"http://127.0.0.1:{dash}/api/jobs/") == 401  # token auth is on
         yield {"gcs": f"127.0.0.1:{gcs}", "jobs": f"http://127.0.0.1:{dash}", "metrics": [p[0], p[4]], "env": env}
     finally:
-        _stop_cluster(f"127.0.0.1:{gcs}", str(temp))
+        stop_ray_processes(f"127.0.0.1:{gcs}", str(temp))
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -79,23 +63,6 @@ def _http_status(url: str) -> int:
         return urllib.request.urlopen(url, timeout=10).status
     except urllib.error.HTTPError as e:
         return e.code
-
-
-def _stop_cluster(gcs: str, temp: str) -> None:
-    """Kill this cluster's processes only (`ray stop` would stop every Ray instance on the machine)."""
-    import contextlib
-
-    import psutil
-
-    procs = set()
-    for p in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            if any(gcs in part or temp in part for part in p.info["cmdline"] or []):
-                procs |= {p, *p.children(recursive=True)}
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    psutil.wait_procs(list(procs), timeout=30)
 
 
 def _fleetrl(env: dict, *args: str, timeout: int = 180) -> str:

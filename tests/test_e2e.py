@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import shared_ray_env
+
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ["step", "policy_version", "reward/mean", "reward/std", "train/accuracy", "loss", "kl", "clip_frac",
             "entropy", "tokens_generated", "time/generate_s", "time/reward_s", "time/learn_s", "time/sync_s",
@@ -17,8 +19,7 @@ REQUIRED = ["step", "policy_version", "reward/mean", "reward/std", "train/accura
 
 
 def run_fleetrl(run_dir: Path, *args: str, timeout: int = 600) -> list[dict]:
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1")
-    env.pop("RAY_ADDRESS", None)
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", **shared_ray_env())
     cmd = [sys.executable, "-m", "orchestrator", "train", f"run.dir={run_dir}", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     log = proc.stdout + proc.stderr

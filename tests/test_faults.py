@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+from tests.conftest import shared_ray_env
 from tests.test_e2e import ROOT
 
 DRIVER = textwrap.dedent("""
@@ -82,8 +83,7 @@ def nan_reward(prompt, completion, metadata):
 def test_nan_steps_are_skipped_then_the_run_stops(tmp_path, ranks, zero_stage):
     import os
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
-    env.pop("RAY_ADDRESS", None)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", **shared_ray_env())
     cmd = [sys.executable, "-m", "orchestrator", "train", f"run.dir={tmp_path}", "trainer.total_steps=6",
            "trainer.eval_every=0", "trainer.max_bad_steps=2", "trainer.save_every=1", "rollout.num_workers=1",
            f"learner.num_ranks={ranks}", f"learner.zero_stage={zero_stage}", "learner.log_kl=true",

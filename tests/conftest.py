@@ -1,0 +1,75 @@
+"""Session plumbing for the end-to-end tests: one real Ray head that the `fleetrl` CLI runs join.
+
+Each `fleetrl train` / `eval` / `rft` subprocess joins it (``RAY_ADDRESS``) as its own Ray job, as it would on a
+real cluster, and its actors die with its driver. That saves each run a private Ray start and stop (~10-15 s on
+2 cores). The head starts on first use and is stopped at the end of the session (only its own processes)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+_HEAD: dict = {}
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def node_ports_args(metrics_port: int, agent_port: int, grpc_port: int, env_port: int) -> list[str]:
+    """`ray start` arguments that give a node its own free ports (several nodes share this machine)."""
+    return ["--metrics-export-port", str(metrics_port), "--dashboard-agent-listen-port", str(agent_port),
+            "--dashboard-agent-grpc-port", str(grpc_port), "--runtime-env-agent-port", str(env_port),
+            "--object-store-memory", str(300 * 2**20), "--disable-usage-stats"]
+
+
+def stop_ray_processes(*markers: str) -> None:
+    """Kill the processes whose command line contains one of ``markers`` (a GCS address, a temp dir) and their
+    children; `ray stop` would stop every Ray instance on the machine."""
+    import psutil
+
+    procs = set()
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any(m in part for part in p.info["cmdline"] or [] for m in markers):
+                procs |= {p, *p.children(recursive=True)}
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(list(procs), timeout=30)
+
+
+def shared_ray_env() -> dict:
+    """Environment variables that make a `fleetrl` subprocess join the session's Ray head (started here on first
+    use, from the repo root, so relative model paths and `tests.*` reward plugins resolve in its workers)."""
+    if not _HEAD:
+        gcs, *p = free_ports(5)
+        temp = f"/tmp/fleetrl-tests-{os.getpid()}"  # short: Ray's socket paths have a length limit
+        env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1",
+                   TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT), PATH=f"{BIN}:{os.environ['PATH']}")
+        env.pop("RAY_ADDRESS", None)
+        subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
+                        "--num-cpus", "8", "--include-dashboard", "false", "--temp-dir", temp, *node_ports_args(*p)],
+                       cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=180)
+        _HEAD.update(address=f"127.0.0.1:{gcs}", temp=temp)
+    return {"RAY_ADDRESS": _HEAD["address"], "RAY_AUTH_MODE": "disabled"}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _HEAD:
+        stop_ray_processes(_HEAD["address"], _HEAD["temp"])
+        import shutil
+
+        shutil.rmtree(_HEAD["temp"], ignore_errors=True)
