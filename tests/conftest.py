@@ -32,18 +32,23 @@ def node_ports_args(metrics_port: int, agent_port: int, grpc_port: int, env_port
     """`ray start` arguments that give a node its own free ports (several nodes share this machine)."""
     return ["--metrics-export-port", str(metrics_port), "--dashboard-agent-listen-port", str(agent_port),
             "--dashboard-agent-grpc-port", str(grpc_port), "--runtime-env-agent-port", str(env_port),
+            "--ray-client-server-port", str(free_ports(1)[0]),
             "--object-store-memory", str(300 * 2**20), "--disable-usage-stats"]
 
 
-def stop_ray_processes(*markers: str) -> None:
-    """Kill the processes whose command line contains one of ``markers`` (a GCS address, a temp dir) and their
-    children; `ray stop` would stop every Ray instance on the machine."""
+def stop_ray_processes(gcs_port: int, temp_dir: str) -> None:
+    """Kill this Ray instance's processes and their children: those whose command line names its temp dir or
+    its GCS port (on any address: Ray's client server names the host's IP). `ray stop` would stop every Ray
+    instance on the machine."""
+    import re
+
     import psutil
 
+    port = re.compile(rf":{gcs_port}(?!\d)")
     procs = set()
     for p in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if any(m in part for part in p.info["cmdline"] or [] for m in markers):
+            if any(temp_dir in part or port.search(part) for part in p.info["cmdline"] or []):
                 procs |= {p, *p.children(recursive=True)}
     for p in procs:
         with contextlib.suppress(psutil.Error):
@@ -63,13 +68,13 @@ def shared_ray_env() -> dict:
         subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
                         "--num-cpus", "8", "--include-dashboard", "false", "--temp-dir", temp, *node_ports_args(*p)],
                        cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=180)
-        _HEAD.update(address=f"127.0.0.1:{gcs}", temp=temp)
+        _HEAD.update(address=f"127.0.0.1:{gcs}", port=gcs, temp=temp)
     return {"RAY_ADDRESS": _HEAD["address"], "RAY_AUTH_MODE": "disabled"}
 
 
 def pytest_sessionfinish(session, exitstatus):
     if _HEAD:
-        stop_ray_processes(_HEAD["address"], _HEAD["temp"])
+        stop_ray_processes(_HEAD["port"], _HEAD["temp"])
         import shutil
 
         shutil.rmtree(_HEAD["temp"], ignore_errors=True)

@@ -54,7 +54,7 @@ def cluster(tmp_path):
         assert _http_status(f"http://127.0.0.1:{dash}/api/jobs/") == 401  # token auth is on
         yield {"gcs": f"127.0.0.1:{gcs}", "jobs": f"http://127.0.0.1:{dash}", "metrics": [p[0], p[4]], "env": env}
     finally:
-        stop_ray_processes(f"127.0.0.1:{gcs}", str(temp))
+        stop_ray_processes(gcs, str(temp))
         shutil.rmtree(temp, ignore_errors=True)
 
 
