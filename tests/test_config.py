@@ -91,3 +91,20 @@ def test_cli_missing_model_path_is_a_clear_error(tmp_path):
     assert r.returncode == 2
     assert "model.path" in r.stderr and "not a model directory" in r.stderr
     assert not (tmp_path / "run").exists()  # nothing half-started
+
+
+@pytest.mark.parametrize("overrides,separate", [
+    ([], False),
+    (["rollout.mode=one_step_off"], False),  # the update's first pass is the proximal policy; TIS weighs the lag
+    (["rollout.dtype=bfloat16", "learner.mixed_precision=bfloat16"], False),
+    (["learner.epochs=2"], True),  # the second epoch needs the pre-update logprobs kept from before the first
+    (["learner.num_minibatches=2"], True),
+    (["algorithm.name=ppo"], True),  # KL-shaped rewards and GAE need them before the update
+    (["learner.logprob_pass=always"], True),
+])
+def test_separate_logprob_pass_only_when_the_batch_is_used_more_than_once(overrides, separate):
+    from orchestrator.trainer import Trainer
+
+    cfg = load_config(None, ["run.dir=/tmp/fleetrl-unused", *overrides])
+    assert cfg.engine_dtype == ("bfloat16" if "rollout.dtype=bfloat16" in overrides else "float32")
+    assert Trainer(cfg).separate_logprob_pass() is separate
