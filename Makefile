@@ -32,7 +32,7 @@ lint: setup
 	$(VENV)/bin/ruff check orchestrator workers learner rewards tests
 
 test: setup lint
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests
 
 docs: setup
 	$(PY) -m tests.test_docs
