@@ -122,8 +122,10 @@ def scale(rollout: int | None, reward: int | None, run: str | None, address: str
         raise ValueError("give --rollout N and/or --reward M")
     ctl = _controller(run, address)
     desired = _call(ctl.scale, rollout=rollout, reward=reward)
-    status = _wait(ctl, lambda s: _applied(s, desired), wait_s,
-                   f"the run did not reach {desired} (it applies a resize at the next step boundary)")
+    status, ended = _poll(ctl, _call(ctl.status), lambda s: _applied(s, desired), wait_s,
+                          f"the run did not reach {desired} (it applies a resize at the next step boundary)")
+    if ended:
+        raise LookupError(f"the run ended before the resize was applied (last step {status.get('step')})")
     return {"desired": desired, "rollout_workers": status.get("rollout/workers"),
             "reward_workers": status.get("reward/workers"), "step": status.get("step")}
 
@@ -132,18 +134,9 @@ def stop(run: str | None, address: str | None, wait_s: float) -> dict:
     """Graceful stop: the driver ends at the next step boundary (final eval, final policy, summary) and the job
     ends SUCCEEDED. With ``wait_s`` > 0, wait until the run has ended (its controller is gone)."""
     ctl = _controller(run, address)
-    status = _call(ctl.request_stop)
-    deadline = time.monotonic() + wait_s
-    while wait_s > 0:
-        try:
-            status = _call(ctl.status)
-        except LookupError:
-            return {"stopped": True, "step": status.get("step")}
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the run did not end within {wait_s:.0f}s (it stops at the next step boundary, "
-                               f"after a final eval); last step {status.get('step')}")
-        time.sleep(0.5)
-    return {"stopped": False, "step": status.get("step")}
+    status, ended = _poll(ctl, _call(ctl.request_stop), lambda s: False, wait_s,
+                          "the run did not end (it stops at the next step boundary, after a final eval)")
+    return {"stopped": ended, "step": status.get("step")}
 
 
 def _controller(run: str | None, address: str | None):
@@ -169,20 +162,20 @@ def _call(method, **kwargs):
         raise LookupError("the run ended (its controller is gone)") from None
 
 
-def _wait(ctl, done, wait_s: float, what: str) -> dict:
+def _poll(ctl, status: dict, done, wait_s: float, what: str) -> tuple[dict, bool]:
+    """Re-read the controller's status every 0.5 s until ``done(status)``, for at most ``wait_s`` (then
+    TimeoutError naming ``what``). Returns the last status and whether the run ended (controller gone) meanwhile."""
     deadline = time.monotonic() + wait_s
-    status = _call(ctl.status)
     while wait_s > 0 and not done(status):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {wait_s:.0f}s; now: {status.get('rollout/workers')} rollout, "
-                               f"{status.get('reward/workers')} reward")
+            raise TimeoutError(f"{what} within {wait_s:.0f}s; now: step {status.get('step')}, "
+                               f"{status.get('rollout/workers')} rollout, {status.get('reward/workers')} reward")
         time.sleep(0.5)
         try:
             status = _call(ctl.status)
         except LookupError:
-            raise LookupError(f"the run ended before the resize was applied (last step {status.get('step')})") \
-                from None
-    return status
+            return status, True
+    return status, False
 
 
 def _applied(status: dict, desired: dict) -> bool:
