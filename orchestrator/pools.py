@@ -13,6 +13,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from learner.batch import TrainBatch
+from learner.packing import Layout
 from learner.worker import LearnerWorker, ds_config
 from orchestrator.config import FleetConfig
 from rewards.reward_model import RewardModelWorker
@@ -133,7 +134,8 @@ class RolloutPool(ActorPool):
         return actor.remote(
             self.cfg.model.path, self.cfg.engine_dtype, self.max_model_len, r.kv_cache_gib,
             self.cfg.rollout.seed + index, r.gpu_memory_utilization, r.tensor_parallel_size,
-            enforce_eager=r.enforce_eager,
+            enforce_eager=r.enforce_eager, prompt_format=self.cfg.data.prompt_format,
+            system_prompt=self.cfg.data.system_prompt, stop=r.stop,
         )
 
     def _after_restart(self, worker) -> None:
@@ -261,7 +263,7 @@ class LearnerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
             ).remote(r, self.world, master_addr, port, cfg.model.path, cfg.model.dtype, dsc, loss_kwargs,
                      cfg.rollout.temperature, cfg.trainer.seed, cfg.trainer.torch_threads, lc.gradient_checkpointing,
-                     role, cfg.uses_reference, lc.mixed_precision)
+                     role, cfg.uses_reference, lc.mixed_precision, learner_layout(cfg))
             for r in range(self.world)
         ]
         ray.get([w.ping.remote() for w in self.ranks])
@@ -333,6 +335,12 @@ class LearnerGroup:
 
     def load_checkpoint(self, path: str) -> None:
         self._get([w.load_checkpoint.remote(path) for w in self.ranks])
+
+
+def learner_layout(cfg: FleetConfig) -> Layout:
+    lc = cfg.learner
+    return Layout(packing=lc.packing, chunk_tokens=lc.logprob_chunk_tokens, micro_batch_tokens=lc.micro_batch_tokens,
+                  entropy=lc.log_entropy)
 
 
 class LearnerDied(RuntimeError):

@@ -26,7 +26,7 @@ from learner.batch import TrainBatch, build_batch
 from orchestrator.config import ConfigError, FleetConfig
 from orchestrator.metrics import PhaseTimer
 from orchestrator.trainer import Trainer, learner_metrics
-from rewards.functions import math_reward
+from rewards.functions import is_correct
 from workers.records import Sample, ScoredSample
 
 log = logging.getLogger("fleetrl")
@@ -97,7 +97,8 @@ class RFTTrainer(Trainer):
         timer = PhaseTimer()
         scored, reward_errors, _ = self.collect(step, timer)
         kept = keep_verified(scored, self.cfg.rft.threshold)
-        correct = [math_reward(x.sample.prompt_text, x.sample.completion_text, x.sample.metadata) for x in scored]
+        correct = [is_correct(self.task.verifier_fn, x.sample.prompt_text, x.sample.completion_text, x.sample.metadata)
+                   for x in scored]
         out = {"rft/kept_fraction": len(kept) / len(scored), "rft/kept": len(kept),
                "rft/prompts_with_kept": len({x.sample.prompt_uid for x in kept}),
                "train/accuracy": sum(correct) / len(correct), "reward/errors": reward_errors,

@@ -25,8 +25,9 @@ from orchestrator.config import FleetConfig, dump_config
 from orchestrator.controller import start_controller
 from orchestrator.metrics import MetricsLogger, PhaseTimer, progress_line
 from orchestrator.pools import LearnerDied, LearnerGroup, RewardPool, RolloutPool, gather_metrics, get_ranks
-from rewards.functions import math_reward
+from rewards.functions import is_correct
 from rewards.tasks import make_task_from_config
+from workers.prompts import pad_token_id
 from workers.records import ScoredSample
 
 log = logging.getLogger("fleetrl")
@@ -38,7 +39,8 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         self.task = make_task(cfg)
         self.eval_prompts = self.task.eval_set(cfg.data.eval_size)
-        self.tokenizer = _load_tokenizer(cfg.model.path) if cfg.algorithm.uses_step_rewards else None
+        self.tokenizer = _load_tokenizer(cfg.model.path)
+        self.pad_id = pad_token_id(self.tokenizer)
         self.version = 0
         self.start_step = 0
         self.prefetch = None  # one_step_off: the next step's batch, being generated and scored
@@ -273,8 +275,9 @@ class Trainer:
         out.mkdir(exist_ok=True)
         rows = [{"uid": x.sample.prompt_uid, "j": x.sample.sample_index, "worker": x.sample.worker,
                  "policy_version": x.sample.policy_version, "prompt": x.sample.prompt_text,
-                 "completion": x.sample.completion_text, "reward": x.reward, "components": x.components}
-                for x in scored]
+                 "prompt_ids": x.sample.prompt_ids, "completion": x.sample.completion_text,
+                 "completion_ids": x.sample.completion_ids, "finish_reason": x.sample.finish_reason,
+                 "reward": x.reward, "components": x.components} for x in scored]
         (out / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     def collect(self, step: int, timer: PhaseTimer) -> tuple[list[ScoredSample], int, dict]:
@@ -380,18 +383,25 @@ class Trainer:
         """Greedy held-out accuracy through the rollout engines."""
         t0 = time.perf_counter()
         samples = self.rollouts.generate(self.eval_prompts, 1, temperature=0.0, seed=None)
-        correct = [math_reward(s.prompt_text, s.completion_text, s.metadata) for s in samples]
+        correct = [is_correct(self.task.verifier_fn, s.prompt_text, s.completion_text, s.metadata) for s in samples]
         return {"eval/accuracy": sum(correct) / len(correct), "time/eval_s": time.perf_counter() - t0}
 
     def _to_batch(self, scored: list[ScoredSample]) -> TrainBatch:
+        """The samples in the learner's layout (padded with the tokenizer's pad id; masks, not the pad id, say what
+        is real). With ``algorithm.mask_truncated`` a completion cut at the length cap gets no loss."""
         s = [x.sample for x in scored]
-        pad = 0
-        return build_batch([x.prompt_ids for x in s], [x.completion_ids for x in s], [x.logprobs for x in s], pad)
+        batch = build_batch([x.prompt_ids for x in s], [x.completion_ids for x in s], [x.logprobs for x in s],
+                            self.pad_id)
+        if self.cfg.algorithm.mask_truncated:
+            truncated = torch.tensor([x.finish_reason == "length" for x in s])
+            batch.response_mask[truncated] = 0.0
+        return batch
 
     def _rollout_metrics(self, scored: list[ScoredSample], batch: TrainBatch, reward_errors: int,
                          train_metrics: dict, staleness: int) -> dict:
         rewards = torch.tensor([s.reward for s in scored])
-        correct = [math_reward(x.sample.prompt_text, x.sample.completion_text, x.sample.metadata) for x in scored]
+        correct = [is_correct(self.task.verifier_fn, x.sample.prompt_text, x.sample.completion_text, x.sample.metadata)
+                   for x in scored]
         mask = batch.response_mask.bool()
         if "actor/rollout_logprob_gap_max" in train_metrics:  # measured in the update's first pass
             diff = torch.tensor([train_metrics["actor/rollout_logprob_gap_max"]])
@@ -399,13 +409,14 @@ class Trainer:
             diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask]
         else:
             diff = torch.zeros(0)
-        lengths = mask.sum(-1).float()
+        lengths = torch.tensor([len(x.sample.completion_ids) for x in scored], dtype=torch.float32)
         components = {f"reward/{name}": sum(x.components.get(name, 0.0) for x in scored) / len(scored)
                       for name in sorted({k for x in scored for k in x.components})}
         return {**components,
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
             "reward/errors": reward_errors, "train/accuracy": sum(correct) / len(correct),
-            "tokens_generated": int(mask.sum()), "response/length_mean": lengths.mean().item(),
+            "tokens_generated": int(lengths.sum()), "response/length_mean": lengths.mean().item(),
+            "response/truncated_frac": sum(x.sample.finish_reason == "length" for x in scored) / len(scored),
             # samples of the current version: the learner and the engine must agree (the pushed weights arrived);
             # older samples (one_step_off) differ by the updates since, which the truncated IS weighs
             ("weight_sync/logprob_max_diff" if staleness == 0 else "rollout/stale_logprob_gap_max"):
@@ -482,7 +493,7 @@ def make_task(cfg: FleetConfig):
 
     tok = _load_tokenizer(cfg.model.path)
     task = DatasetTask(d.path, d.prompt_field, d.answer_field, d.skip_invalid, d.eval_size, d.seed, d.eval_path,
-                       too_long=lambda p: len(tok(p)["input_ids"]) > d.max_prompt_tokens)
+                       too_long=lambda p: len(tok(p)["input_ids"]) > d.max_prompt_tokens, verifier=d.verifier)
     log.info("dataset %s: %d train / %d eval rows; skipped %s", d.path, len(task.train_rows), len(task.eval_rows),
              task.counts)
     return task

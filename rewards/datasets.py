@@ -7,6 +7,7 @@ in ``#### n``) is understood: the reference answer is ``n``. A malformed row fai
 ``data.skip_invalid``, is skipped and counted; a Parquet file lacking a mapped column fails whatever
 ``skip_invalid`` says. Prompts longer than ``data.max_prompt_tokens`` are filtered and counted. The eval split is
 ``data.eval_path`` when given, else the last ``data.eval_size`` rows, which are then never trained on.
+``data.verifier`` names the reward function that decides correctness for accuracy metrics (default ``math``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from rewards.tasks import Prompt
+from rewards.functions import load_reward_function
+from rewards.tasks import Prompt, Task
 
 
 class DatasetError(ValueError):
@@ -112,11 +114,14 @@ def gsm8k_answer(answer: str) -> str:
     return answer.strip()
 
 
-class DatasetTask:
-    """Same interface as the built-in tasks: ``train_batch(step, n, round_)`` and ``eval_set(n)``."""
+class DatasetTask(Task):
+    """Same interface as the built-in tasks: ``train_batch(step, n, round_)``, ``eval_set(n)`` and ``verifier``
+    (a reward function name or ``pkg.module:fn``, loaded here so that a bad one fails at once)."""
 
     def __init__(self, path: str, prompt_field: str, answer_field: str, skip_invalid: bool, eval_size: int,
-                 seed: int, eval_path: str | None = None, too_long: Callable[[str], bool] = lambda p: False):
+                 seed: int, eval_path: str | None = None, too_long: Callable[[str], bool] = lambda p: False,
+                 verifier: str = "math"):
+        self.verifier, self.verifier_fn = verifier, load_reward_function(verifier)  # a bad name fails before reading
         rows, self.counts = read_rows(Path(path), prompt_field, answer_field, skip_invalid, too_long)
         if eval_path:
             self.eval_rows, _ = read_rows(Path(eval_path), prompt_field, answer_field, skip_invalid, too_long)

@@ -7,6 +7,7 @@ import path ``package.module:function``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from collections.abc import Callable
@@ -17,32 +18,55 @@ RewardFn = Callable[[str, str, dict], "float | dict[str, float]"]
 REWARD_FUNCTIONS = Registry("reward function")
 register_reward = REWARD_FUNCTIONS.register
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+_PLAIN_INT = re.compile(r"-?[0-9]{1,1000}")  # bounded: int() refuses strings of over 4300 digits
 
+
+def parse_answer(text: str) -> list:
+    r"""The final answer of a completion as math-verify extracts it: ``[value, matched text]`` (a sympy value),
+    ``[]`` when there is none. LaTeX (``\boxed{}`` first, ``$\frac{6}{8}$``) and plain expressions and numbers
+    (``The answer is 42.``) are understood. A GSM8K ending (the text after the last ``####`` is one line) names
+    the answer explicitly, so that line is parsed alone (math-verify has no rule for ``####``: on the whole text
+    it would prefer an earlier ``\boxed{}``, or the last number of ``#### 8 (3 + 5)``); when that finds nothing
+    the whole text is parsed.
+
+    Parsing runs without math-verify's signal-based timeout (``parsing_timeout=None``): reward functions run in
+    non-main threads of Ray actors, where ``signal.alarm`` fails; the reward worker's own timeout bounds a call.
+    """
+    from math_verify import parse
+
+    ending = text.rpartition("####")[2].strip() if "####" in text else ""
+    if ending and "\n" not in ending:
+        parsed = parse(ending, extraction_config=_extraction_config(), parsing_timeout=None)
+        if parsed:
+            return parsed
+    return parse(text, extraction_config=_extraction_config(), parsing_timeout=None)
+
+
+@functools.cache
+def _extraction_config() -> tuple:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+
+    return (LatexExtractionConfig(), ExprExtractionConfig())
 
 
 def extract_answer(text: str) -> str | None:
-    r"""The final answer of a completion: the last ``\boxed{...}``, else what follows ``####``, else the last
-    number; None when there is none."""
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        return boxed
-    if "####" in text:
-        return text.rsplit("####", 1)[1].strip() or None
-    nums = _NUMBER.findall(text)
-    return nums[-1] if nums else None
+    """The text of the final answer :func:`parse_answer` finds (e.g. ``\\frac{6}{8}``, ``42``); None when none."""
+    parsed = parse_answer(text)
+    return parsed[-1] if parsed else None
 
 
-def _last_boxed(text: str) -> str | None:
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    i, depth = start + len("\\boxed{"), 1
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
-    return None
+@functools.lru_cache(maxsize=4096)
+def _parse_reference(reference: str) -> list:
+    """A reference answer parsed as one LaTeX math expression (cached: a prompt's G samples share it)."""
+    from math_verify import parse
+
+    return parse(f"${reference}$", parsing_timeout=None)
+
+
+def _verify(gold: list, pred: list) -> bool:
+    from math_verify import verify
+
+    return bool(gold and pred and verify(gold, pred, timeout_seconds=None))
 
 
 def answers_equal(given: str, reference: str) -> bool:
@@ -52,13 +76,7 @@ def answers_equal(given: str, reference: str) -> bool:
     a, b = _plain_number(given), _plain_number(reference)
     if a is not None and b is not None:  # fast path: two plain decimals
         return a == b
-    from math_verify import parse, verify
-
-    def wrap(s: str):
-        return parse(f"${s}$", parsing_timeout=None)
-
-    gold, pred = wrap(reference), wrap(given)
-    return bool(gold and pred and verify(gold, pred, timeout_seconds=None))
+    return _verify(_parse_reference(reference), _parse_reference(given))
 
 
 def _plain_number(s: str):
@@ -75,9 +93,14 @@ def _plain_number(s: str):
 
 @register_reward("math")
 def math_reward(prompt: str, completion: str, metadata: dict) -> float:
-    """1.0 when the completion's final answer equals ``metadata["answer"]`` mathematically, else 0.0."""
-    given = extract_answer(completion)
-    return float(given is not None and answers_equal(given, str(metadata["answer"])))
+    """1.0 when the completion's final answer (:func:`parse_answer`) equals ``metadata["answer"]``
+    mathematically (math-verify's ``verify``), else 0.0. A completion and a reference that are both plain
+    integers (``57``, the embedded model's answers) are compared as integers, which is what math-verify
+    concludes for them too, only without parsing."""
+    given, reference = completion.strip(), str(metadata["answer"]).strip()
+    if _PLAIN_INT.fullmatch(given) and _PLAIN_INT.fullmatch(reference):
+        return float(int(given) == int(reference))
+    return float(_verify(_parse_reference(reference), parse_answer(completion)))
 
 
 @register_reward("format")
@@ -107,6 +130,16 @@ def choice_reward(prompt: str, completion: str, metadata: dict) -> float:
     """Multiple choice: 1.0 when the last standalone capital letter A-J of the completion is the answer letter."""
     letters = _CHOICE.findall(completion)
     return float(bool(letters) and letters[-1] == str(metadata["answer"]).strip().upper())
+
+
+def is_correct(verifier: RewardFn, prompt: str, completion: str, metadata: dict) -> bool:
+    """Whether ``verifier`` (a reward function deciding correctness, e.g. a task's ``verifier_fn``) accepts the
+    completion: a float value must be >= 1.0; a dict of components must be non-empty with every component
+    >= 1.0 (all checks passed)."""
+    value = verifier(prompt, completion, metadata)
+    if isinstance(value, dict):
+        return bool(value) and all(v >= 1.0 for v in value.values())
+    return value >= 1.0
 
 
 # Modules holding more built-ins (imported on first lookup, so importing this module stays light).

@@ -10,13 +10,16 @@ checks against (``metadata["answer"]`` is the reference answer). Nothing is down
   ``length``, combined by GDPO).
 
 Every task has ``train_batch(step, n, round_)`` (a pure function of seed, step and round, so resume is exact) and
-``eval_set(n)`` (a fixed held-out split that training never draws from). :func:`make_task_from_config` builds
-the configured one from ``data.*``.
+``eval_set(n)`` (a fixed held-out split that training never draws from), and names its ``verifier``: the reward
+function that decides whether a completion is correct for accuracy metrics (``math``; ``countdown`` for
+countdown, where stating the target number is not a solution). :func:`make_task_from_config` builds the
+configured one from ``data.*``.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import operator
 import random
 import re
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import ClassVar, Literal, get_args
 
-from rewards.functions import register_reward
+from rewards.functions import RewardFn, load_reward_function, register_reward
 
 
 @dataclass(frozen=True)
@@ -38,28 +41,55 @@ class Prompt:
     metadata: dict = field(default_factory=dict)
 
 
-class ArithmeticTask:
-    """Addition ``a+b=`` with operands in [0, max_operand]; the answer is the decimal sum.
+PromptStyle = Literal["text", "compact"]
+"""``text``: instructions in words, for real models; ``compact``: the embedded model's character vocabulary."""
+_PROMPT_STYLES = get_args(PromptStyle)
+
+
+def _check_style(task: str, style: str) -> None:
+    if style not in _PROMPT_STYLES:
+        raise ValueError(f"task {task!r}: prompt_style must be one of {_PROMPT_STYLES}, got {style!r}")
+
+
+class Task:
+    """What every task shares: ``verifier`` names the reward function (a registered name or ``pkg.module:fn``)
+    that decides whether a completion is correct for accuracy metrics, through
+    :func:`rewards.functions.is_correct`; :attr:`verifier_fn` is that function, loaded once."""
+
+    verifier: str
+
+    @functools.cached_property
+    def verifier_fn(self) -> RewardFn:
+        return load_reward_function(self.verifier)
+
+
+class ArithmeticTask(Task):
+    """Addition of two operands in [0, max_operand]; the answer is the decimal sum.
 
     The eval split is every pair with ``(a * 7 + b * 13) % 10 == 0`` (a fixed ~10% of all pairs); training
-    prompts never come from it. Prompts and answers are plain digits so the embedded character-level model
-    can read them.
+    prompts never come from it. ``prompt_style="compact"`` (the default) writes ``a+b=`` in plain digits so the
+    embedded character-level model can read it; ``"text"`` asks the question in words, for chat models.
     """
 
-    config_fields: ClassVar[dict[str, str]] = {"max_operand": "max_operand", "seed": "seed"}
+    config_fields: ClassVar[dict[str, str]] = {"max_operand": "max_operand", "seed": "seed",
+                                               "prompt_style": "prompt_style"}
     """Constructor keyword -> `data.*` field it comes from."""
+    verifier: ClassVar[str] = "math"
+    default_style: ClassVar[str] = "compact"
 
-    def __init__(self, max_operand: int = 99, seed: int = 0):
+    def __init__(self, max_operand: int = 99, seed: int = 0, prompt_style: PromptStyle = "compact"):
+        _check_style("arithmetic", prompt_style)
         self.max_operand = max_operand
         self.seed = seed
+        self.prompt_style = prompt_style
 
     @staticmethod
     def is_eval_pair(a: int, b: int) -> bool:
         return (a * 7 + b * 13) % 10 == 0
 
-    @staticmethod
-    def make(uid: str, a: int, b: int) -> Prompt:
-        return Prompt(uid=uid, text=f"{a}+{b}=", metadata={"answer": str(a + b)})
+    def make(self, uid: str, a: int, b: int) -> Prompt:
+        text = f"{a}+{b}=" if self.prompt_style == "compact" else f"What is {a} + {b}?"
+        return Prompt(uid=uid, text=text, metadata={"answer": str(a + b)})
 
     def _draw_pair(self, rng: random.Random) -> tuple[int, int]:
         while True:
@@ -91,12 +121,15 @@ class ArithmeticTask:
         return out
 
 
-class GeneratedTask:
+class GeneratedTask(Task):
+    default_style: ClassVar[str] = "text"
+
     """Base of the generated tasks: a problem is drawn from a seeded RNG, and whether it belongs to the eval
     split is a stable hash of its key (CRC32, the same on every machine), so the splits never overlap and the
     eval split does not depend on the run seed. Subclasses define :meth:`draw`."""
 
     name: ClassVar[str]
+    verifier: ClassVar[str]
     config_fields: ClassVar[dict[str, str]] = {"max_operand": "max_operand", "seed": "seed"}
     eval_fraction: ClassVar[int] = 10
     """One problem key in this many is held out."""
@@ -143,16 +176,6 @@ class GeneratedTask:
         return out
 
 
-PromptStyle = Literal["text", "compact"]
-"""``text``: instructions in words, for real models; ``compact``: the embedded model's character vocabulary."""
-_PROMPT_STYLES = get_args(PromptStyle)
-
-
-def _check_style(task: str, style: str) -> None:
-    if style not in _PROMPT_STYLES:
-        raise ValueError(f"task {task!r}: prompt_style must be one of {_PROMPT_STYLES}, got {style!r}")
-
-
 class CountdownTask(GeneratedTask):
     """Countdown (TinyZero): given 3-4 numbers in [1, max_operand] and a target, write an arithmetic expression
     with ``+ - * /`` and parentheses that uses each number exactly once and equals the target.
@@ -171,6 +194,7 @@ class CountdownTask(GeneratedTask):
                      "max_numbers": "countdown_max_numbers", "max_target": "countdown_max_target",
                      "prompt_style": "prompt_style"}
     widen_hint = "data.max_operand or data.countdown_max_target"
+    verifier = "countdown"
     expression_tries: ClassVar[int] = 20
     """Random expressions tried over one set of numbers for a target within range."""
 
@@ -290,6 +314,7 @@ class MultiTask(GeneratedTask):
 
     name = "multi"
     config_fields = {"max_operand": "max_operand", "seed": "seed", "prompt_style": "prompt_style"}
+    verifier = "math"
 
     def __init__(self, max_operand: int = 99, seed: int = 0, prompt_style: PromptStyle = "text"):
         _check_style(self.name, prompt_style)
@@ -318,6 +343,10 @@ def make_task(name: str, **kwargs) -> ArithmeticTask | GeneratedTask:
 
 
 def make_task_from_config(data) -> ArithmeticTask | GeneratedTask:
-    """The task ``data.task`` names, with the ``data.*`` fields it declares in ``config_fields``."""
+    """The task ``data.task`` names, with the ``data.*`` fields it declares in ``config_fields``
+    (``prompt_style: auto`` is the task's ``default_style``)."""
     cls = TASKS[data.task]
-    return cls(**{kw: getattr(data, attr) for kw, attr in cls.config_fields.items()})
+    kwargs = {kw: getattr(data, attr) for kw, attr in cls.config_fields.items()}
+    if kwargs.get("prompt_style") == "auto":
+        kwargs["prompt_style"] = cls.default_style
+    return cls(**kwargs)

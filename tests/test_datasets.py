@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.config import ConfigError, load_config
 from rewards.datasets import DatasetError, DatasetTask, gsm8k_answer
-from rewards.functions import math_reward
+from rewards.functions import REWARD_FUNCTIONS, math_reward
+from rewards.tasks import countdown_reward
 
 SAMPLE = Path(__file__).parent / "data" / "gsm8k_sample.jsonl"
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +26,30 @@ def test_gsm8k_layout_and_eval_split():
     assert [p.text for p in batch] == [p.text for p in task.train_batch(5, 3)]  # deterministic per step
     assert math_reward(ev[1].text, "So it takes \\boxed{70} days.", ev[1].metadata) == 1.0
     assert gsm8k_answer("x\n#### 1,234") == "1234" and gsm8k_answer("42") == "42"
+
+
+def test_dataset_verifier_is_data_verifier(monkeypatch):
+    assert DatasetTask(str(SAMPLE), "question", "answer", False, eval_size=2, seed=0).verifier_fn is math_reward
+    task = DatasetTask(str(SAMPLE), "question", "answer", False, eval_size=2, seed=0, verifier="choice")
+    assert task.verifier == "choice" and task.verifier_fn is REWARD_FUNCTIONS["choice"]
+    with pytest.raises(KeyError, match="unknown reward function 'nope'; built-ins"):
+        DatasetTask(str(SAMPLE), "question", "answer", False, eval_size=2, seed=0, verifier="nope")
+    from orchestrator import trainer  # the trainer's make_task hands data.verifier on
+
+    monkeypatch.setattr(trainer, "_load_tokenizer", lambda path: lambda text: {"input_ids": text.split()})
+    cfg = load_config(overrides=[f"data.path={SAMPLE}", "data.prompt_field=question", "data.eval_size=2",
+                                 "data.verifier=rewards.tasks:countdown_reward"])
+    assert trainer.make_task(cfg).verifier_fn is countdown_reward
+
+
+def test_data_verifier_is_checked_at_load():
+    assert load_config(overrides=["data.verifier=countdown"]).data.verifier == "countdown"
+    with pytest.raises(ConfigError, match=r"data\.verifier: .*unknown reward function 'nope'; built-ins: \[.*'math'"):
+        load_config(overrides=["data.verifier=nope"])
+    with pytest.raises(ConfigError, match=r"data\.verifier: .*cannot import the verifier 'nosuch\.mod:fn'"):
+        load_config(overrides=["data.verifier=nosuch.mod:fn"])
+    with pytest.raises(ConfigError, match=r"data\.verifier: .*rewards\.tasks has no callable 'nope'"):
+        load_config(overrides=["data.verifier=rewards.tasks:nope"])
 
 
 def _write(tmp_path, lines):

@@ -5,8 +5,9 @@ import pytest
 
 from orchestrator.config import ConfigError, DataConfig, load_config
 from orchestrator.embedded_model import CHARS
-from rewards.functions import format_reward, length_reward, load_reward_function, math_reward
+from rewards.functions import format_reward, is_correct, length_reward, load_reward_function, math_reward
 from rewards.tasks import (
+    TASKS,
     ArithmeticTask,
     CountdownTask,
     MultiTask,
@@ -89,6 +90,26 @@ def test_countdown_reward_options():
     assert countdown_reward("", "no expression", META, format_score=0.1) == 0.0
     assert countdown_reward("", "6*(2/3)", {"answer": "4", "numbers": [2, 3, 6]}) == 1.0  # target from answer
     assert load_reward_function("countdown") is countdown_reward
+
+
+def test_countdown_accuracy_needs_an_expression_not_the_target():
+    """Stating the target is not a solution: the countdown task's verifier refuses it, where the math verifier
+    (which every accuracy metric used before tasks named their verifier) counts it correct."""
+    task = CountdownTask()
+    meta = {"answer": "24", "numbers": [3, 4, 2], "target": 24}
+    bare, solved = "The answer is 24.", "<think>3*4 is 12, then 12*2</think> <answer>3 * 4 * 2</answer>"
+    assert task.verifier_fn is countdown_reward
+    assert not is_correct(task.verifier_fn, "q", bare, meta)
+    assert is_correct(task.verifier_fn, "q", solved, meta)
+    assert is_correct(load_reward_function("math"), "q", bare, meta)
+
+
+def test_every_task_names_its_verifier():
+    assert {name: cls.verifier for name, cls in TASKS.items()} == {"arithmetic": "math", "countdown": "countdown",
+                                                                  "multi": "math"}
+    assert make_task_from_config(DataConfig(task="arithmetic")).verifier_fn is math_reward
+    assert make_task_from_config(DataConfig(task="multi", prompt_style="compact")).verifier_fn is math_reward
+    assert make_task_from_config(DataConfig(task="countdown")).verifier_fn is countdown_reward
 
 
 def test_expression_helpers():

@@ -11,12 +11,12 @@ class Sample:
 
     prompt_uid: str  # unique per prompt in the run
     sample_index: int  # 0..G-1 within the prompt's group
-    prompt_text: str
+    prompt_text: str  # the prompt exactly as the engine saw it (chat template applied when in chat format)
     prompt_ids: list[int]  # [P_i]
     completion_ids: list[int]  # [T_i], EOS included when generated
     logprobs: list[float]  # [T_i], the engine's logprob of each sampled token
     completion_text: str
-    finish_reason: str  # "stop" (EOS) or "length"
+    finish_reason: str  # "stop" (EOS / end-of-turn token or a stop string) or "length" (truncated)
     policy_version: int  # version of the weights that generated it
     metadata: dict = field(default_factory=dict)  # task metadata (reference answer, ...)
     worker: str = ""  # name of the rollout actor that generated it

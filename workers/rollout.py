@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Iterator
 
+from workers.prompts import PromptRenderer
 from workers.records import Sample
 
 CPU_ENV = {
@@ -28,7 +29,8 @@ class RolloutWorker:
 
     def __init__(self, model_path: str, dtype: str, max_model_len: int, kv_cache_gib: float, seed: int,
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1, max_num_seqs: int = 256,
-                 enforce_eager: bool | None = None):
+                 enforce_eager: bool | None = None, prompt_format: str = "auto", system_prompt: str | None = None,
+                 stop: list[str] | None = None):
         for key, value in CPU_ENV.items():
             os.environ.setdefault(key, value)
         from vllm import LLM
@@ -45,31 +47,38 @@ class RolloutWorker:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
+        self.renderer = PromptRenderer(self.tokenizer, prompt_format, system_prompt)
+        self.stop = list(stop or [])
         self.policy_version = 0
         self.generated_tokens = 0
         self.name = _actor_name()
 
-    def generate(self, prompts: list[tuple[str, str, dict]], group_size: int, max_new_tokens: int,
+    def generate(self, prompts: list[tuple[str, str | list[dict], dict]], group_size: int, max_new_tokens: int,
                  temperature: float, top_p: float, seed: int | None) -> list[Sample]:
-        """``prompts`` are (uid, text, metadata). Returns ``len(prompts) * group_size`` samples, grouped by prompt.
-        ``temperature == 0`` is greedy. Each sample gets its own seed derived from ``seed`` so results do not
-        depend on how prompts are spread over workers."""
+        """``prompts`` are (uid, prompt, metadata), the prompt a string or chat messages, rendered by
+        :class:`PromptRenderer`. Returns ``len(prompts) * group_size`` samples, grouped by prompt. Generation stops
+        at the model's EOS / end-of-turn tokens (kept as the last completion token) or a ``stop`` string (kept in
+        the text). ``temperature == 0`` is greedy. Each sample gets its own seed derived from ``seed`` so results
+        do not depend on how prompts are spread over workers."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        requests, params = [], []
-        for uid, text, _ in prompts:
-            ids = self.tokenizer(text)["input_ids"]
+        requests, params, texts = [], [], []
+        for uid, prompt, _ in prompts:
+            text, ids = self.renderer.render(prompt)
+            texts.append(text)
             for j in range(group_size):
                 requests.append(TokensPrompt(prompt_token_ids=ids))
                 params.append(SamplingParams(
                     n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
-                    seed=None if seed is None else _sample_seed(seed, uid, j),
+                    seed=None if seed is None else _sample_seed(seed, uid, j), stop=self.stop or None,
+                    include_stop_str_in_output=True,
                 ))
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         samples = []
         for k, out in enumerate(outputs):
-            uid, text, meta = prompts[k // group_size]
+            uid, _, meta = prompts[k // group_size]
+            text = texts[k // group_size]
             comp = out.outputs[0]
             token_ids = list(comp.token_ids)
             logprobs = [lp[t].logprob for lp, t in zip(comp.logprobs, token_ids)]

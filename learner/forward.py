@@ -1,0 +1,72 @@
+"""Forward passes of the learner's models over a :class:`TrainBatch` micro-batch, as plain functions of the module
+(so tests run them without DeepSpeed): the policy's response-token logprobs and entropy, the critic's values.
+
+Every result is in the batch's ``[b, T]`` per-token layout, zero where ``response_mask`` is 0. Imports only torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+from learner.batch import TrainBatch, position_ids, response_logprobs
+from learner.logprobs import token_logprobs
+from learner.packing import Layout, ModelInput, packed_input, padded_input
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """Mixed precision: the forward (and so the backward) computes in ``dtype`` while parameters, gradients and
+    optimizer state keep theirs; ``None`` computes in the parameters' dtype."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def model_input(mb: TrainBatch, layout: Layout) -> ModelInput:
+    return packed_input(mb) if layout.packing else padded_input(mb)
+
+
+def policy_logprobs(module, mb: TrainBatch, layout: Layout, temperature: float = 1.0, with_entropy: bool = True,
+                    device: torch.device | None = None, dtype: torch.dtype | None = None
+                    ) -> tuple[Tensor, Tensor | None]:
+    """``(logp [b, T], entropy [b, T] or None)`` of the micro-batch's response tokens under the causal LM
+    ``module``. The decoder runs over the packed (or padded) tokens; the LM head runs on the scored response
+    positions only, ``layout.chunk_tokens`` at a time (:mod:`learner.logprobs`). ``layout.chunk_tokens == 0`` is
+    the naive reference path: logits over every position of the padded micro-batch and a full log-softmax."""
+    device = device or torch.device("cpu")
+    mask = mb.response_mask.to(device)
+    if not layout.chunk_tokens:
+        ids, attn = mb.input_ids.to(device), mb.attention_mask.to(device)
+        with autocast(device, dtype):
+            logits = module(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn)).logits
+        batch = mb if device.type == "cpu" else _to(mb, device)
+        return response_logprobs(logits, batch, temperature)
+    x = model_input(mb, layout)
+    with autocast(device, dtype):
+        hidden = module.get_decoder()(**x.kwargs(device)).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.shape[-1])[x.scored.hidden_index.to(device)]
+        logp, ent = token_logprobs(module.get_output_embeddings(), hidden, x.scored.targets.to(device), temperature,
+                                   layout.chunk_tokens, with_entropy)
+    shape = tuple(mb.response_mask.shape)
+    return x.scored.scatter(logp, shape) * mask, x.scored.scatter(ent, shape) * mask if ent is not None else None
+
+
+def critic_values(module, mb: TrainBatch, layout: Layout, device: torch.device | None = None,
+                  dtype: torch.dtype | None = None) -> Tensor:
+    """Values ``[b, T]`` of a token-classification critic (one output): V at the state before each response token
+    (the position whose logits would predict it), read off the packed (or padded) forward."""
+    device = device or torch.device("cpu")
+    x = model_input(mb, layout)
+    with autocast(device, dtype):
+        out = module(**x.kwargs(device)).logits[..., 0].float()
+    values = out.reshape(-1)[x.scored.hidden_index.to(device)]
+    return x.scored.scatter(values, tuple(mb.response_mask.shape)) * mb.response_mask.to(device)
+
+
+def _to(mb: TrainBatch, device) -> TrainBatch:
+    from dataclasses import fields, replace
+
+    return replace(mb, **{f.name: getattr(mb, f.name).to(device) for f in fields(mb)
+                          if isinstance(getattr(mb, f.name), Tensor)})

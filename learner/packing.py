@@ -1,0 +1,136 @@
+"""From a :class:`TrainBatch` micro-batch to what the model reads: packed rows and token-budget micro-batches.
+
+Padded layout (the driver's): ``[b, P + T]``, prompts left-padded, responses right-padded, so one long sample
+decides the memory of the whole micro-batch. Packed layout (the learner's): the real tokens of every sample
+concatenated into one row ``[1, L]`` (``L`` = the sum of the samples' real lengths) with position ids that
+restart at 0 for each sample. transformers' attention (SDPA on CPU, flash-attention varlen on GPU) detects the
+restarts and keeps attention inside each sample, so the logits equal the padded ones.
+
+Only response tokens are scored: :class:`Scored` lists, for each scored token, the packed position whose hidden
+state predicts it (one before the token), the token id, and where it goes back in the ``[b, T]`` per-token
+layout of the batch. The LM head then runs on those positions only.
+
+Imports only torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from learner.batch import TrainBatch, position_ids
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the learner lays a micro-batch out for the model (``learner.*`` settings)."""
+
+    packing: bool = True  # concatenate samples without padding (else the padded layout)
+    chunk_tokens: int = 1024  # LM head + log-softmax this many tokens at a time; 0 = naive full-vocab logits
+    micro_batch_tokens: int | None = None  # token budget per micro-batch (else learner.micro_batch_size rows)
+    entropy: bool = True  # compute the policy entropy for logging (always when it is weighted in the loss)
+
+
+@dataclass
+class Scored:
+    """The response tokens a forward pass scores, and where their results go."""
+
+    hidden_index: Tensor  # [N] long: position (in the model's flattened [rows * cols] output) predicting the token
+    targets: Tensor  # [N] long: the token ids
+    rows: Tensor  # [N] long: row in the micro-batch
+    cols: Tensor  # [N] long: column in the [b, T] response layout
+
+    def scatter(self, values: Tensor, shape: tuple[int, int]) -> Tensor:
+        """Per-token ``values`` ``[N]`` into a zero ``[b, T]`` tensor (keeps the autograd graph)."""
+        out = torch.zeros(shape, dtype=values.dtype, device=values.device)
+        return out.index_put((self.rows.to(values.device), self.cols.to(values.device)), values)
+
+
+@dataclass
+class ModelInput:
+    """Keyword arguments of the model's forward (``attention_mask`` None when packed) and the tokens to score."""
+
+    input_ids: Tensor  # [1, L] packed, or [b, P + T] padded
+    position_ids: Tensor  # same shape
+    attention_mask: Tensor | None
+    scored: Scored
+
+    def kwargs(self, device) -> dict:
+        # no KV cache: with one, transformers does not look for packed sequences in the position ids
+        out = {"input_ids": self.input_ids.to(device), "position_ids": self.position_ids.to(device),
+               "use_cache": False}
+        if self.attention_mask is not None:
+            out["attention_mask"] = self.attention_mask.to(device)
+        return out
+
+
+def scored_cells(mb: TrainBatch) -> tuple[Tensor, Tensor]:
+    """``(rows, cols)`` of the response tokens that count (``response_mask > 0``). A micro-batch with none (every
+    row masked, e.g. RFT's filler rows) scores its first response cell with mask 0, so the forward still touches
+    every parameter and the loss stays in the graph while contributing nothing."""
+    rows, cols = torch.nonzero(mb.response_mask > 0, as_tuple=True)
+    if rows.numel() == 0:
+        rows, cols = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    return rows, cols
+
+
+def padded_input(mb: TrainBatch) -> ModelInput:
+    """The padded layout as is (the reference path packing is tested against)."""
+    rows, cols = scored_cells(mb)
+    width = mb.input_ids.shape[1]
+    hidden_index = rows * width + (mb.prompt_len - 1 + cols)
+    scored = Scored(hidden_index, mb.response_ids[rows, cols], rows, cols)
+    return ModelInput(mb.input_ids, position_ids(mb.attention_mask), mb.attention_mask, scored)
+
+
+def packed_input(mb: TrainBatch) -> ModelInput:
+    """Every row's real tokens (prompt and response, no padding) concatenated into one row, positions restarting
+    per sample. Rows are kept in order; a row's response starts ``prompt_len_i`` tokens into its segment."""
+    attn = mb.attention_mask.bool()
+    lengths = attn.sum(-1)  # [b] real tokens per row
+    prompt_lens = attn[:, : mb.prompt_len].sum(-1)  # [b]
+    starts = torch.cumsum(lengths, 0) - lengths  # [b] segment start in the packed row
+    ids = mb.input_ids[attn]  # row-major: each row's real tokens in order
+    pos = torch.cat([torch.arange(int(n)) for n in lengths])
+    rows, cols = scored_cells(mb)
+    hidden_index = starts[rows] + prompt_lens[rows] - 1 + cols
+    scored = Scored(hidden_index, mb.response_ids[rows, cols], rows, cols)
+    return ModelInput(ids[None], pos[None], None, scored)
+
+
+def token_counts(batch: TrainBatch) -> list[int]:
+    """Real tokens (prompt + response) of each row."""
+    return batch.attention_mask.sum(-1).tolist()
+
+
+def plan_micro_batches(counts: list[int], budget: int) -> list[list[int]]:
+    """Consecutive rows grouped into micro-batches of at most ``budget`` real tokens each (a row longer than the
+    budget gets a micro-batch of its own). Greedy in row order."""
+    plan, current, used = [], [], 0
+    for i, n in enumerate(counts):
+        if current and used + n > budget:
+            plan.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        plan.append(current)
+    return plan
+
+
+def micro_batches(shard: TrainBatch, size: int, token_budget: int | None, count: int | None = None) -> list[TrainBatch]:
+    """The shard's micro-batches: ``size`` rows each, or (``token_budget`` set) at most that many real tokens
+    each. ``count`` (>= the planned number) pads the list with empty micro-batches (one row, response mask 0),
+    so every rank runs the same number of forward passes (ZeRO-3 gathers parameters collectively in each)."""
+    if token_budget:
+        plan = plan_micro_batches(token_counts(shard), token_budget)
+    else:
+        plan = [list(range(i, min(i + size, shard.size))) for i in range(0, shard.size, size)]
+    out = [shard.select(torch.tensor(rows)) for rows in plan]
+    while count is not None and len(out) < count:
+        empty = shard.select(slice(0, 1))
+        empty.response_mask = torch.zeros_like(empty.response_mask)
+        out.append(empty)
+    return out
