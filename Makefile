@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fleetrl-installed
 BENCH_STAMP := $(VENV)/.fleetrl-bench-installed
-BENCHES := generation end_to_end learning_speed weight_push scaling
+BENCHES := generation end_to_end learning_speed weight_push scaling learner_memory smollm2
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
@@ -50,12 +50,12 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(BENCH_STAMP)
 
-bench: $(BENCH_STAMP) model
+bench: $(BENCH_STAMP) model smollm2
 	$(PY) -m bench.build_models
 	@start=$$(date +%s); for b in $(BENCHES); do echo "== bench.$$b"; $(PY) -m bench.$$b || exit 1; done; \
 	echo "make bench: $$(( ($$(date +%s) - start) / 60 )) min; tables in bench/results/*.json, docs/BENCHMARKS.md"
 
-bench-quick: $(BENCH_STAMP) model
+bench-quick: $(BENCH_STAMP) model smollm2
 	$(PY) -m bench.build_models gen-tiny push-1m
 	@for b in $(BENCHES); do echo "== bench.$$b --quick"; $(PY) -m bench.$$b --quick || exit 1; done
 

@@ -12,7 +12,9 @@ in its own process (``ru_maxrss`` is per process) on the same batch:
   micro-batch, 8 samples per micro-batch;
 * ``chunked``: padded, LM head on response tokens only, 1024 tokens at a time, recomputed in backward;
 * ``packed``: chunked + packed rows (no padding), 8 samples per micro-batch;
-* ``packed+budget``: chunked + packed + token-budget micro-batches (``learner.micro_batch_tokens``).
+* ``packed, N-token budget``: chunked + packed + token-budget micro-batches (``learner.micro_batch_tokens``):
+  4096 (long packed rows: on CPU their attention is quadratic in the row length) and 512 with 256-token logprob
+  chunks (the demo config's setting).
 
 Reported: peak RSS of the process, the memory the update adds on top of the loaded model and optimizer
 (``update_peak_mb`` = peak RSS - RSS before the update), seconds per update (median of the timed repeats after
@@ -33,7 +35,8 @@ VARIANTS = {
     "naive": dict(packing=False, chunk_tokens=0, micro_batch_tokens=None, micro=8),
     "chunked": dict(packing=False, chunk_tokens=1024, micro_batch_tokens=None, micro=8),
     "packed": dict(packing=True, chunk_tokens=1024, micro_batch_tokens=None, micro=8),
-    "packed+budget": dict(packing=True, chunk_tokens=1024, micro_batch_tokens=2048, micro=32),
+    "packed, 4096-token budget": dict(packing=True, chunk_tokens=1024, micro_batch_tokens=4096, micro=32),
+    "packed, 512-token budget": dict(packing=True, chunk_tokens=256, micro_batch_tokens=512, micro=32),
 }
 
 
@@ -60,17 +63,17 @@ def measure(model_dir: str, variant: str, samples: int, max_response: int, repea
     import torch
     from transformers import AutoModelForCausalLM
 
-    from learner.forward import policy_logprobs
+    from learner.forward import HiddenStatesLM, policy_logprobs
     from learner.losses import policy_loss
     from learner.packing import Layout, micro_batches
 
     torch.set_num_threads(2)
     v = VARIANTS[variant]
     layout = Layout(packing=v["packing"], chunk_tokens=v["chunk_tokens"], micro_batch_tokens=v["micro_batch_tokens"])
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = HiddenStatesLM(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    batch = _batch(model.config.vocab_size, samples, max_response)
+    batch = _batch(model.lm.config.vocab_size, samples, max_response)
     for p in model.parameters():  # optimizer state and gradients exist before the measured update
         p.grad = torch.zeros_like(p)
     opt.step()
@@ -111,7 +114,7 @@ def _run_variant(model_dir: str, variant: str, samples: int, max_response: int, 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__, argv, lambda ap: ap.add_argument("--model", default=SMOLLM2))
-    samples, max_response, repeats = (8, 64, 1) if args.quick else (32, 256, 2)
+    samples, max_response, repeats = (8, 64, 1) if args.quick else (32, 256, 1)
     import torch
 
     results = [_run_variant(args.model, name, samples, max_response, repeats) for name in VARIANTS]

@@ -42,32 +42,42 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bf16", action="store_true", help="TRL's mixed precision (bf16=True)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chat", action="store_true",
+                    help="chat prompts: the task in words (prompt_style text) as a user message; TRL applies the "
+                         "model's chat template, as fleetrl's data.prompt_format=chat does")
+    ap.add_argument("--max-operand", type=int, default=99, help="the arithmetic task's data.max_operand")
     ap.add_argument("--out", required=True)
     ap.add_argument("--run-dir", required=True)
     args = ap.parse_args(argv)
+    if args.chat and args.eval_every:
+        ap.error("--chat runs time steps only: its greedy eval would skip the chat template (use --eval-every 0)")
     for key in ("prompts_per_step", "group_size", "max_tokens", "steps", "threads", "eval_size", "epochs"):
         if getattr(args, key) < 1:
             ap.error(f"--{key.replace('_', '-')} must be >= 1 (got {getattr(args, key)})")
     return args
 
 
-def build_dataset(steps: int, prompts_per_step: int, seed: int):
-    """Rows in fleetrl's prompt order: step s's prompts are ``train_batch(s, P)``."""
+def build_dataset(steps: int, prompts_per_step: int, seed: int, chat: bool = False, max_operand: int = 99):
+    """Rows in fleetrl's prompt order: step s's prompts are ``train_batch(s, P)`` (a user message with --chat)."""
     from datasets import Dataset
 
     from rewards.tasks import ArithmeticTask
 
-    task = ArithmeticTask(seed=seed)
-    rows = [{"prompt": p.text, "answer": p.metadata["answer"]}
+    task = ArithmeticTask(max_operand=max_operand, seed=seed, prompt_style="text" if chat else "compact")
+    rows = [{"prompt": [{"role": "user", "content": p.text}] if chat else p.text, "answer": p.metadata["answer"]}
             for s in range(steps) for p in task.train_batch(s, prompts_per_step)]
     return Dataset.from_list(rows)
 
 
-def math_rewards(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:
-    """fleetrl's ``math`` reward in TRL's reward-function signature (extra dataset columns come as kwargs)."""
+def math_rewards(prompts: list, completions: list, answer: list[str], **_) -> list[float]:
+    """fleetrl's ``math`` reward in TRL's reward-function signature (extra dataset columns come as kwargs;
+    conversational completions are lists of messages)."""
     from rewards.functions import math_reward
 
-    return [math_reward(p, c, {"answer": a}) for p, c, a in zip(prompts, completions, answer)]
+    def text(x) -> str:
+        return x if isinstance(x, str) else x[-1]["content"]
+
+    return [math_reward(text(p), text(c), {"answer": a}) for p, c, a in zip(prompts, completions, answer)]
 
 
 def greedy_accuracy(model, tok, eval_prompts, max_new_tokens: int) -> float:
@@ -160,13 +170,17 @@ def main(argv: list[str] | None = None) -> int:
     eval_prompts = ArithmeticTask().eval_set(args.eval_size)
     callback = make_callback(args, tok, eval_prompts)
     trainer = GRPOTrainer(model=model, reward_funcs=math_rewards, args=grpo_config(args),
-                          train_dataset=build_dataset(args.steps, args.prompts_per_step, args.seed),
+                          train_dataset=build_dataset(args.steps, args.prompts_per_step, args.seed, args.chat,
+                                                      args.max_operand),
                           processing_class=tok, callbacks=[callback])
     trainer.train()
     if args.eval_every and (not callback.evals or callback.evals[-1]["step"] != trainer.state.global_step):
         callback.evaluate(trainer.model, trainer.state.global_step)
+    import resource
+
     report = {"settings": vars(args), "steps": callback.steps, "evals": callback.evals, "logs": callback.logs,
-              "trl_version": __import__("trl").__version__, "torch_threads": torch.get_num_threads()}
+              "trl_version": __import__("trl").__version__, "torch_threads": torch.get_num_threads(),
+              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"trl_grpo: {len(callback.steps)} steps, report {args.out}", flush=True)

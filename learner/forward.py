@@ -11,7 +11,7 @@ import contextlib
 import torch
 from torch import Tensor
 
-from learner.batch import TrainBatch, position_ids, response_logprobs
+from learner.batch import TrainBatch, response_logprobs
 from learner.logprobs import token_logprobs
 from learner.packing import Layout, ModelInput, packed_input, padded_input
 
@@ -28,35 +28,54 @@ def model_input(mb: TrainBatch, layout: Layout) -> ModelInput:
     return packed_input(mb) if layout.packing else padded_input(mb)
 
 
-def policy_logprobs(module, mb: TrainBatch, layout: Layout, temperature: float = 1.0, with_entropy: bool = True,
+class HiddenStatesLM(torch.nn.Module):
+    """A causal LM whose forward returns the final (normed) hidden states ``[b, L, H]`` instead of logits. This is
+    the module the DeepSpeed engine wraps, so the engine's forward (its backward hooks, ZeRO-3's parameter
+    gathers) stays in the path while the LM head runs on the scored positions only, in chunks."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm  # the HF model: weight names, save_pretrained and the push read it
+
+    def forward(self, **kwargs) -> Tensor:
+        return self.lm.get_decoder()(**kwargs).last_hidden_state
+
+    @property
+    def head(self):
+        return self.lm.get_output_embeddings()
+
+
+def policy_logprobs(model, mb: TrainBatch, layout: Layout, temperature: float = 1.0, with_entropy: bool = True,
                     device: torch.device | None = None, dtype: torch.dtype | None = None
                     ) -> tuple[Tensor, Tensor | None]:
-    """``(logp [b, T], entropy [b, T] or None)`` of the micro-batch's response tokens under the causal LM
-    ``module``. The decoder runs over the packed (or padded) tokens; the LM head runs on the scored response
-    positions only, ``layout.chunk_tokens`` at a time (:mod:`learner.logprobs`). ``layout.chunk_tokens == 0`` is
-    the naive reference path: logits over every position of the padded micro-batch and a full log-softmax."""
+    """``(logp [b, T], entropy [b, T] or None)`` of the micro-batch's response tokens. ``model`` is a
+    :class:`HiddenStatesLM` or the DeepSpeed engine wrapping one. The decoder runs over the packed (or padded)
+    tokens; the LM head runs on the scored response positions only, ``layout.chunk_tokens`` at a time
+    (:mod:`learner.logprobs`). ``layout.chunk_tokens == 0`` is the naive reference path: padded layout, logits over
+    every position of the micro-batch and a full log-softmax (entropy always)."""
     device = device or torch.device("cpu")
+    head = getattr(model, "module", model).head
     mask = mb.response_mask.to(device)
     if not layout.chunk_tokens:
-        ids, attn = mb.input_ids.to(device), mb.attention_mask.to(device)
+        x = padded_input(mb)
         with autocast(device, dtype):
-            logits = module(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn)).logits
-        batch = mb if device.type == "cpu" else _to(mb, device)
-        return response_logprobs(logits, batch, temperature)
+            logits = head(model(**x.kwargs(device)))
+        return response_logprobs(logits, mb if device.type == "cpu" else _to(mb, device), temperature)
     x = model_input(mb, layout)
     with autocast(device, dtype):
-        hidden = module.get_decoder()(**x.kwargs(device)).last_hidden_state
+        hidden = model(**x.kwargs(device))
         hidden = hidden.reshape(-1, hidden.shape[-1])[x.scored.hidden_index.to(device)]
-        logp, ent = token_logprobs(module.get_output_embeddings(), hidden, x.scored.targets.to(device), temperature,
-                                   layout.chunk_tokens, with_entropy)
+        logp, ent = token_logprobs(head, hidden, x.scored.targets.to(device), temperature, layout.chunk_tokens,
+                                   with_entropy)
     shape = tuple(mb.response_mask.shape)
     return x.scored.scatter(logp, shape) * mask, x.scored.scatter(ent, shape) * mask if ent is not None else None
 
 
 def critic_values(module, mb: TrainBatch, layout: Layout, device: torch.device | None = None,
                   dtype: torch.dtype | None = None) -> Tensor:
-    """Values ``[b, T]`` of a token-classification critic (one output): V at the state before each response token
-    (the position whose logits would predict it), read off the packed (or padded) forward."""
+    """Values ``[b, T]`` of a token-classification critic (one output; ``module`` the model or the DeepSpeed engine
+    wrapping it): V at the state before each response token (the position whose logits would predict it), read
+    off the packed (or padded) forward."""
     device = device or torch.device("cpu")
     x = model_input(mb, layout)
     with autocast(device, dtype):

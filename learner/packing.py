@@ -122,15 +122,18 @@ def plan_micro_batches(counts: list[int], budget: int) -> list[list[int]]:
 
 def micro_batches(shard: TrainBatch, size: int, token_budget: int | None, count: int | None = None) -> list[TrainBatch]:
     """The shard's micro-batches: ``size`` rows each, or (``token_budget`` set) at most that many real tokens
-    each. ``count`` (>= the planned number) pads the list with empty micro-batches (one row, response mask 0),
-    so every rank runs the same number of forward passes (ZeRO-3 gathers parameters collectively in each)."""
+    each. ``count`` (>= the planned number) pads the list with :func:`filler` micro-batches, so every rank runs
+    the same number of forward passes (ZeRO-3 gathers parameters collectively in each)."""
     if token_budget:
         plan = plan_micro_batches(token_counts(shard), token_budget)
     else:
         plan = [list(range(i, min(i + size, shard.size))) for i in range(0, shard.size, size)]
     out = [shard.select(torch.tensor(rows)) for rows in plan]
-    while count is not None and len(out) < count:
-        empty = shard.select(slice(0, 1))
-        empty.response_mask = torch.zeros_like(empty.response_mask)
-        out.append(empty)
-    return out
+    return out + [filler(shard)] * max(0, (count or 0) - len(out))
+
+
+def filler(shard: TrainBatch) -> TrainBatch:
+    """An empty micro-batch: the shard's first row with response mask 0 (a forward pass that adds nothing)."""
+    empty = shard.select(slice(0, 1))
+    empty.response_mask = torch.zeros_like(empty.response_mask)
+    return empty

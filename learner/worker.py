@@ -14,8 +14,8 @@ from collections import defaultdict
 from dataclasses import replace
 
 from learner.batch import TrainBatch
-from learner.forward import critic_values, policy_logprobs
-from learner.packing import Layout, micro_batches
+from learner.forward import HiddenStatesLM, critic_values, policy_logprobs
+from learner.packing import Layout, filler, micro_batches
 
 
 def _set_dist_env(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
@@ -53,14 +53,18 @@ class LearnerWorker:
         self.autocast = getattr(torch, autocast) if autocast else None  # mixed precision: compute dtype
         self.ref = None  # the frozen reference policy, only when a KL term reads it (or KL is logged)
         if role == "critic":
-            model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch_dtype)
+            self.hf_model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch_dtype)
+            model = self.hf_model
         else:
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+            self.hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+            model = HiddenStatesLM(self.hf_model)  # the engine's forward gives hidden states; the head runs chunked
             if reference:
-                self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
-                self.ref.requires_grad_(False)
+                lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
+                self.ref = HiddenStatesLM(lm.requires_grad_(False))
         if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # from_pretrained returns eval mode, where transformers skips gradient checkpointing
+        _disable_dropout(model)  # the learner's logprobs must equal the engine's (and the old policy's)
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
         _load_checkpoints_weights_only(self.engine)
         self.loss_kwargs = loss_kwargs
@@ -75,17 +79,17 @@ class LearnerWorker:
     # ---- forward passes -------------------------------------------------------------------------------
     def _forward(self, model, mb: TrainBatch, with_entropy: bool = False):
         """``(logp [b, T], entropy [b, T] or None)`` of the micro-batch's response tokens (see
-        :func:`learner.forward.policy_logprobs`)."""
-        return policy_logprobs(getattr(model, "module", model), mb, self.layout, self.temperature, with_entropy,
-                               self.device, self.autocast)
+        :func:`learner.forward.policy_logprobs`). Training passes go through the engine (``model`` is
+        ``self.engine``), no-grad passes may call its module."""
+        return policy_logprobs(model, mb, self.layout, self.temperature, with_entropy, self.device, self.autocast)
 
     def _values(self, model, mb: TrainBatch):
-        return critic_values(getattr(model, "module", model), mb, self.layout, self.device, self.autocast)
+        return critic_values(model, mb, self.layout, self.device, self.autocast)
 
     def _micro(self, shard: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
         """The shard's micro-batches (rows, or a token budget); every rank runs as many as the rank with most."""
         micro = micro_batches(shard, micro_batch_size, self.layout.micro_batch_tokens)
-        return micro_batches(shard, micro_batch_size, self.layout.micro_batch_tokens, count=self._max_count(micro))
+        return micro + [filler(shard)] * (self._max_count(micro) - len(micro))
 
     def _max_count(self, micro: list) -> int:
         if self.world_size == 1 or not self.layout.micro_batch_tokens:
@@ -152,6 +156,7 @@ class LearnerWorker:
         out = {k: v if k.endswith("_max") else v / n_steps for k, v in sums.items()}
         out[f"{self.role}/lr"] = self.engine.get_lr()[0] / self.world_size
         out[f"time/{self.role}_compute_s"] = (time.perf_counter() - t0) / self.world_size
+        out.update(_memory_metrics(self.role))
         return out
 
     def _drop_nonfinite_grads(self) -> bool:
@@ -160,7 +165,7 @@ class LearnerWorker:
         still decay by one step). ZeRO 1-3 skip such steps inside DeepSpeed."""
         import torch
 
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.hf_model.parameters() if p.grad is not None]
         if all(torch.isfinite(g).all() for g in grads):
             return False
         for g in grads:
@@ -213,7 +218,7 @@ class LearnerWorker:
         needed. Every rank must iterate (the gather is collective); only rank 0's tensors are meaningful."""
         import deepspeed
 
-        params = list(self.engine.module.named_parameters())
+        params = list(self.hf_model.named_parameters())
         limit = bucket_mb * 2**20
         chunk, size = [], 0
         for name, p in params:
@@ -247,7 +252,7 @@ class LearnerWorker:
         """(name, full shape, dtype) of every parameter, in push order."""
         from workers import nccl_sync
 
-        return nccl_sync.param_specs(self.engine.module.named_parameters())
+        return nccl_sync.param_specs(self.hf_model.named_parameters())
 
     def weight_endpoint(self) -> tuple[str, int]:
         """Rank 0: bind the weight group's rendezvous socket; returns (host, port) for the engines."""
@@ -274,7 +279,7 @@ class LearnerWorker:
             return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
         return nccl_sync.broadcast_weights(getattr(self, "_weight_comm", None) if self.rank == 0 else None, plans,
-                                           dict(self.engine.module.named_parameters()),
+                                           dict(self.hf_model.named_parameters()),
                                            gather if self.zero_stage == 3 else None)
 
     def save_hf(self, out_dir: str) -> str | None:
@@ -284,7 +289,7 @@ class LearnerWorker:
         state = {n: t for chunk in self._gathered_chunks(1024) for n, t in chunk}
         if self.rank != 0:
             return None
-        self.engine.module.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+        self.hf_model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
         AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out_dir)
         return out_dir
 
@@ -312,6 +317,27 @@ class LearnerWorker:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _disable_dropout(model) -> None:
+    """No dropout in training (as TRL's ``disable_dropout``): dropout layers and HF attention's dropout rate."""
+    import torch
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
+
+
+def _memory_metrics(role: str) -> dict:
+    """This rank's resident memory now and its peak so far, MB (``_max``: the group reports the largest rank)."""
+    import resource
+
+    import psutil
+
+    return {f"memory/{role}_rss_mb_max": psutil.Process().memory_info().rss / 2**20,
+            f"memory/{role}_peak_rss_mb_max": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def _load_checkpoints_weights_only(engine) -> None:

@@ -154,7 +154,7 @@ def _init_model(args) -> int:
     try:
         gguf = args.gguf or model_import.packaged_gguf(args.from_name)
         info = model_import.import_gguf(gguf, out, overwrite=args.force)
-        print(model_import.format_summary(info, model_import.check_model(out)))
+        print(model_import.format_summary(info, info["check"]))
     except (model_import.ModelImportError, FileExistsError) as e:
         print(f"fleetrl: {e}", file=sys.stderr)
         return 2

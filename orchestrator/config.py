@@ -422,12 +422,13 @@ class LearnerConfig(Section):
     fixed `micro_batch_size` samples. The loss and gradients do not depend on the split."""
     packing: bool = True
     """Sequence packing: a micro-batch's samples are concatenated without padding into one row with position ids
-    restarting per sample (attention stays inside each sample: SDPA on CPU, flash-attention varlen on GPU).
-    false: the left|right padded layout."""
+    restarting per sample; transformers detects the restarts and keeps attention inside each sample (with SDPA, the
+    default, through a block-diagonal mask whose cost is quadratic in the row length; a model loaded with
+    flash-attention 2 uses its varlen kernel). false: the left|right padded layout."""
     logprob_chunk_tokens: int = Field(1024, ge=0)
     """The LM head and log-softmax run on response positions only, this many tokens at a time, recomputed in
-    backward (no [tokens, vocab] fp32 tensor for the micro-batch). 0: the naive path (logits over every position
-    of the padded micro-batch, full log-softmax kept for backward; for comparison)."""
+    backward (no [tokens, vocab] fp32 tensor for the micro-batch). 0: the naive path for comparison (padded layout
+    whatever `packing` says, logits over every position, full log-softmax kept for backward, entropy always)."""
     log_entropy: bool = True
     """Compute the policy entropy of the response tokens for the `entropy` metric (it is always computed when
     `algorithm.entropy_coef` > 0)."""

@@ -84,10 +84,11 @@ def ensure_smollm2(out_dir: str | Path = ".fleetrl/models/smollm2-135m-instruct"
     return out
 
 
-def import_gguf(gguf_file: str | Path, out_dir: str | Path, overwrite: bool = False) -> dict:
+def import_gguf(gguf_file: str | Path, out_dir: str | Path, overwrite: bool = False, check: bool = True) -> dict:
     """Convert ``gguf_file`` into an HF model directory ``out_dir`` (fp32 safetensors, tokenizer with its chat
-    template, generation_config.json). Built in a temporary directory beside ``out_dir`` and renamed into place at
-    the end, so a crash leaves nothing half-written. Returns a summary of what was written."""
+    template, generation_config.json). Built in a temporary directory beside ``out_dir``, checked there
+    (:func:`check_model`, unless ``check`` is false) and renamed into place only then, so a crash or a failed check
+    leaves nothing half-written. Returns a summary of what was written (``check``: the check's result)."""
     gguf, out = Path(gguf_file), Path(out_dir)
     if not gguf.is_file():
         raise FileNotFoundError(f"GGUF file {str(gguf)!r} does not exist")
@@ -99,6 +100,8 @@ def import_gguf(gguf_file: str | Path, out_dir: str | Path, overwrite: bool = Fa
     tmp.chmod(0o755)  # mkdtemp makes it 0700
     try:
         summary = _convert(gguf, tmp)
+        if check:
+            summary["check"] = check_model(tmp)
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -206,18 +209,20 @@ def _replace_dir(new: Path, out: Path) -> None:
 
 def check_model(model_dir: str | Path, prompts: tuple[str, ...] = CHECK_PROMPTS, max_tokens: int = 16,
                 tolerance: float = 1e-3) -> dict:
-    """Greedy-generate ``max_tokens`` tokens for each chat-templated prompt with an in-process vLLM engine (fp32,
-    eager), recompute the same tokens' logprobs with transformers, and return the largest difference, the number
-    of tokens compared, the completions and the seconds taken. Raises :class:`ModelImportError` if the difference
-    exceeds ``tolerance``: the two engines do not read the directory the same way."""
+    """Greedy-generate ``max_tokens`` tokens for each prompt (chat-templated when the model has a template) with
+    an in-process vLLM engine (fp32, eager), recompute the same tokens' logprobs with transformers, and return
+    the largest difference, the number of tokens compared, the completions and the seconds taken. Raises
+    :class:`ModelImportError` if the difference exceeds ``tolerance``: the two engines do not read the directory
+    the same way."""
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
     model_dir = str(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompt_ids = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                          add_generation_prompt=True),
-                            add_special_tokens=False)["input_ids"] for p in prompts]
+    from workers.prompts import PromptRenderer
+
+    renderer = PromptRenderer(tokenizer, "auto")  # the chat template when the model has one, else raw text
+    prompt_ids = [renderer.render(p)[1] for p in prompts]
     generated = _vllm_greedy(model_dir, prompt_ids, max_tokens)
     diff = _max_logprob_diff(model_dir, prompt_ids, generated)
     result = {"max_logprob_diff": diff, "tokens": sum(len(toks) for toks, _ in generated),

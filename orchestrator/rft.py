@@ -48,7 +48,7 @@ def keep_verified(scored: list[ScoredSample], threshold: float) -> list[ScoredSa
     return kept
 
 
-def sft_batch(samples: list[Sample], size: int, pad_id: int = 0) -> TrainBatch:
+def sft_batch(samples: list[Sample], size: int, pad_id: int) -> TrainBatch:
     """The kept samples as a batch of exactly ``size`` rows, advantage 1 on every completion token.
 
     The learner's DeepSpeed config fixes the batch at ``data.prompts_per_step * rollout.group_size`` sequences
@@ -105,7 +105,7 @@ class RFTTrainer(Trainer):
                "reward/mean": sum(x.reward for x in scored) / len(scored), "rollout/samples": len(scored)}
         if kept:
             with timer("logprobs"):
-                batch = self.learner.compute_logprobs(sft_batch([x.sample for x in kept], len(scored)))
+                batch = self.learner.compute_logprobs(sft_batch([x.sample for x in kept], len(scored), self.pad_id))
             mask = batch.response_mask.bool()
             out["weight_sync/logprob_max_diff"] = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask].max().item()
             out["rft/nll_before"] = -batch.old_logprobs[mask].mean().item()  # token-mean NLL of the kept samples

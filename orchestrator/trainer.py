@@ -387,15 +387,7 @@ class Trainer:
         return {"eval/accuracy": sum(correct) / len(correct), "time/eval_s": time.perf_counter() - t0}
 
     def _to_batch(self, scored: list[ScoredSample]) -> TrainBatch:
-        """The samples in the learner's layout (padded with the tokenizer's pad id; masks, not the pad id, say what
-        is real). With ``algorithm.mask_truncated`` a completion cut at the length cap gets no loss."""
-        s = [x.sample for x in scored]
-        batch = build_batch([x.prompt_ids for x in s], [x.completion_ids for x in s], [x.logprobs for x in s],
-                            self.pad_id)
-        if self.cfg.algorithm.mask_truncated:
-            truncated = torch.tensor([x.finish_reason == "length" for x in s])
-            batch.response_mask[truncated] = 0.0
-        return batch
+        return samples_to_batch([x.sample for x in scored], self.pad_id, self.cfg.algorithm.mask_truncated)
 
     def _rollout_metrics(self, scored: list[ScoredSample], batch: TrainBatch, reward_errors: int,
                          train_metrics: dict, staleness: int) -> dict:
@@ -446,6 +438,17 @@ def _step_ends(token_texts: list[str], separator: str) -> list[int]:
     return ends
 
 
+def samples_to_batch(samples: list, pad_id: int, mask_truncated: bool = False) -> TrainBatch:
+    """Samples in the learner's layout, padded with the tokenizer's ``pad_id`` (masks, not the pad id, say what is
+    real). ``mask_truncated``: a completion cut at the length cap (finish reason ``length``) gets no loss; it
+    still counts as a sequence in the loss's per-sequence normalizers and its reward in its group's baseline."""
+    batch = build_batch([x.prompt_ids for x in samples], [x.completion_ids for x in samples],
+                        [x.logprobs for x in samples], pad_id)
+    if mask_truncated:
+        batch.response_mask[torch.tensor([x.finish_reason == "length" for x in samples])] = 0.0
+    return batch
+
+
 def _group_ids(scored: list[ScoredSample]) -> torch.Tensor:
     index: dict[str, int] = {}
     return torch.tensor([index.setdefault(s.sample.prompt_uid, len(index)) for s in scored])
@@ -490,10 +493,11 @@ def make_task(cfg: FleetConfig):
     if d.path is None:
         return make_task_from_config(d)
     from rewards.datasets import DatasetTask
+    from workers.prompts import PromptRenderer
 
-    tok = _load_tokenizer(cfg.model.path)
+    renderer = PromptRenderer(_load_tokenizer(cfg.model.path), d.prompt_format, d.system_prompt)
     task = DatasetTask(d.path, d.prompt_field, d.answer_field, d.skip_invalid, d.eval_size, d.seed, d.eval_path,
-                       too_long=lambda p: len(tok(p)["input_ids"]) > d.max_prompt_tokens, verifier=d.verifier)
+                       too_long=lambda p: len(renderer.render(p)[1]) > d.max_prompt_tokens, verifier=d.verifier)
     log.info("dataset %s: %d train / %d eval rows; skipped %s", d.path, len(task.train_rows), len(task.eval_rows),
              task.counts)
     return task

@@ -89,18 +89,32 @@ def _json_object(line: str) -> dict:
     return row
 
 
-def _parse_row(row: dict, prompt_field: str, answer_field: str) -> tuple[str, str]:
+def _parse_row(row: dict, prompt_field: str, answer_field: str) -> tuple[str | list[dict], str]:
     """(prompt, reference answer) of one row, whatever the file format; raises DatasetError saying what is wrong."""
     missing = [k for k in (prompt_field, answer_field) if k not in row]
     if missing:
         raise DatasetError(f"missing field(s) {missing} (row has {sorted(row)}; see data.prompt_field, "
                            "data.answer_field)")
     prompt, answer = row[prompt_field], row[answer_field]
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise DatasetError(f"field {prompt_field!r} must be a non-empty string, got {_short(prompt)}")
+    if isinstance(prompt, list):
+        _check_messages(prompt, prompt_field)
+    elif not isinstance(prompt, str) or not prompt.strip():
+        raise DatasetError(f"field {prompt_field!r} must be a non-empty string or a list of chat messages, got "
+                           f"{_short(prompt)}")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise DatasetError(f"field {answer_field!r} must be a string or a number, got {_short(answer)}")
     return prompt, gsm8k_answer(str(answer))
+
+
+def _check_messages(messages: list, field: str) -> None:
+    """A chat prompt: a non-empty list of ``{"role": system|user|assistant|tool, "content": str}``."""
+    roles = ("system", "user", "assistant", "tool")
+    if not messages:
+        raise DatasetError(f"field {field!r}: an empty list of chat messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in roles or not isinstance(m.get("content"), str):
+            raise DatasetError(f"field {field!r}, message {i}: expected {{role: one of {list(roles)}, content: "
+                               f"string}}, got {_short(m)}")
 
 
 def _short(value) -> str:

@@ -122,7 +122,6 @@ class ArithmeticTask(Task):
 
 
 class GeneratedTask(Task):
-    default_style: ClassVar[str] = "text"
 
     """Base of the generated tasks: a problem is drawn from a seeded RNG, and whether it belongs to the eval
     split is a stable hash of its key (CRC32, the same on every machine), so the splits never overlap and the
@@ -130,6 +129,7 @@ class GeneratedTask(Task):
 
     name: ClassVar[str]
     verifier: ClassVar[str]
+    default_style: ClassVar[str] = "text"
     config_fields: ClassVar[dict[str, str]] = {"max_operand": "max_operand", "seed": "seed"}
     eval_fraction: ClassVar[int] = 10
     """One problem key in this many is held out."""

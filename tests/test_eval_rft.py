@@ -73,7 +73,7 @@ def test_rft_step_is_the_sft_gradient_and_padding_rows_add_nothing():
     learner.losses.sft_loss on the kept samples alone; padding rows get zero gradient."""
     torch.manual_seed(0)
     kept = [_sample("a", [5, 6, 1]), _sample("b", [7, 1], prompt=[3, 4]), _sample("c", [8, 9, 9, 1])]
-    batch = sft_batch(kept, size=8).with_scale()
+    batch = sft_batch(kept, size=8, pad_id=1).with_scale()
     assert batch.size == 8 and batch.response_mask[3:].sum() == 0 and batch.scale.num_tokens == 9
     V = 12
     logits = torch.randn(8, batch.input_ids.shape[1], V, requires_grad=True)

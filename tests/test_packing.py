@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
 
 from learner.batch import build_batch
-from learner.forward import critic_values, policy_logprobs
+from learner.forward import HiddenStatesLM, critic_values, policy_logprobs
 from learner.logprobs import naive_token_logprobs, token_logprobs
 from learner.losses import policy_loss
 from learner.packing import Layout, micro_batches, packed_input, plan_micro_batches
@@ -23,7 +23,7 @@ def _config(vocab=300, **kw):
 
 def _model(vocab=300):
     torch.manual_seed(0)
-    return LlamaForCausalLM(_config(vocab)).double()
+    return HiddenStatesLM(LlamaForCausalLM(_config(vocab)).double())
 
 
 def _batch(vocab=300, rows=6, seed=1):
@@ -67,7 +67,7 @@ def test_packed_rows_restart_positions_and_score_only_response_tokens():
 
 
 def _loss_and_grads(model, mbs, layout):
-    model.zero_grad()
+    model.zero_grad(set_to_none=True)
     total = 0.0
     for mb in mbs:
         logp, ent = policy_logprobs(model, mb, layout, temperature=0.9)
@@ -111,7 +111,12 @@ def test_critic_values_packed_equal_padded():
     with torch.no_grad():
         v0 = critic_values(critic, batch, Layout(packing=False))
         v1 = critic_values(critic, batch, Layout(packing=True))
-    torch.testing.assert_close(v1, v0, atol=1e-6, rtol=0)
+        # the plain padded forward: V at the position before each response token
+        attn = batch.attention_mask
+        out = critic(input_ids=batch.input_ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0))
+        direct = (out.logits[:, batch.prompt_len - 1: -1, 0] * batch.response_mask).float()
+    torch.testing.assert_close(v0, direct, atol=1e-6, rtol=0)
+    torch.testing.assert_close(v1, direct, atol=1e-6, rtol=0)
     assert v0.abs().sum() > 0
 
 

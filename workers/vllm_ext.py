@@ -16,12 +16,14 @@ class WeightSyncExtension:
     def fleetrl_reload_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load checkpoint-format weights in place; returns the number of tensors loaded."""
         count = 0
+        dtype = self.model_runner.model_config.dtype  # the engine's (e.g. bf16 engines under an fp32 learner)
 
         def counted():
             nonlocal count
             for name, tensor in weights:
                 count += 1
-                yield name, tensor
+                # cast here, not in vLLM's loader, which warns once per tensor on every push when dtypes differ
+                yield name, tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
 
         self.reload_weights(weights_iterator=counted())
         self._fleetrl_retie_embeddings()

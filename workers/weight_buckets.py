@@ -7,6 +7,7 @@ dtype (bf16 included) because only bytes travel.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,8 +41,12 @@ def pack(named: list[tuple[str, torch.Tensor]]) -> Bucket:
 
 
 def unpack(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
-    """Views into the bucket's buffer (no copy); valid while the bucket is alive."""
-    raw = torch.from_numpy(np.asarray(bucket.data))
+    """Views into the bucket's buffer (no copy); valid while the bucket is alive. A bucket from Ray's object store
+    is read-only shared memory; the views are only read (copied into the engine's parameters), so torch's warning
+    about a non-writable array is silenced for exactly this call."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+        raw = torch.from_numpy(np.asarray(bucket.data))
     out = []
     for name, shape, dtype, off in zip(bucket.names, bucket.shapes, bucket.dtypes, bucket.offsets):
         dt = getattr(torch, dtype)
