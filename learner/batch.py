@@ -45,6 +45,13 @@ class TrainBatch:
                    if isinstance(getattr(self, f.name), Tensor)}
         return replace(self, **changes)
 
+    def to(self, device) -> TrainBatch:
+        """Every tensor on ``device`` (this batch itself when it is the CPU)."""
+        if str(device) == "cpu":
+            return self
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if isinstance(getattr(self, f.name), Tensor)})
+
     def with_scale(self) -> TrainBatch:
         """This batch as a whole minibatch: its own global counts."""
         scale = LossScale(num_seqs=self.size, num_tokens=int(self.response_mask.sum()),

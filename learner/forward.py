@@ -60,7 +60,7 @@ def policy_logprobs(model, mb: TrainBatch, layout: Layout, temperature: float = 
         x = padded_input(mb)
         with autocast(device, dtype):
             logits = head(model(**x.kwargs(device)))
-        return response_logprobs(logits, mb if device.type == "cpu" else _to(mb, device), temperature)
+        return response_logprobs(logits, mb.to(device), temperature)
     x = model_input(mb, layout)
     with autocast(device, dtype):
         hidden = model(**x.kwargs(device))
@@ -82,10 +82,3 @@ def critic_values(module, mb: TrainBatch, layout: Layout, device: torch.device |
         out = module(**x.kwargs(device)).logits[..., 0].float()
     values = out.reshape(-1)[x.scored.hidden_index.to(device)]
     return x.scored.scatter(values, tuple(mb.response_mask.shape)) * mb.response_mask.to(device)
-
-
-def _to(mb: TrainBatch, device) -> TrainBatch:
-    from dataclasses import fields, replace
-
-    return replace(mb, **{f.name: getattr(mb, f.name).to(device) for f in fields(mb)
-                          if isinstance(getattr(mb, f.name), Tensor)})

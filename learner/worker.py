@@ -192,7 +192,7 @@ class LearnerWorker:
             with torch.no_grad():
                 mb = replace(mb, ref_logprobs=self._forward(self.ref, mb)[0])
         logp, entropy = self._forward(self.engine, mb, with_entropy=self.with_entropy)
-        mb = _to(mb, self.device)
+        mb = mb.to(self.device)
         if mb.old_logprobs is None:  # the batch is used once: the policy before this update is the current one
             if not first_pass:
                 raise ValueError("old_logprobs are needed after the first pass (more than one epoch or minibatch)")
@@ -209,7 +209,7 @@ class LearnerWorker:
         from learner.losses import value_loss
 
         values = self._values(self.engine, mb)
-        mb = _to(mb, self.device)
+        mb = mb.to(self.device)
         return value_loss(values, mb.old_values, mb.returns, mb.response_mask, mb.scale, **self.loss_kwargs)
 
     # ---- weights out ----------------------------------------------------------------------------------
@@ -355,15 +355,6 @@ def _load_checkpoints_weights_only(engine) -> None:
     engine.checkpoint_engine.load = load
 
 
-def _to(mb: TrainBatch, device) -> TrainBatch:
-    if str(device) == "cpu":
-        return mb
-    from dataclasses import fields, replace
-
-    import torch
-
-    return replace(mb, **{f.name: getattr(mb, f.name).to(device) for f in fields(mb)
-                          if isinstance(getattr(mb, f.name), torch.Tensor)})
 
 
 def _concat(parts: list, shard: TrainBatch):
@@ -394,5 +385,3 @@ def ds_config(micro_batch_size: int, grad_accum: int, world_size: int, zero_stag
         cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
                                                            "warmup_num_steps": warmup_steps, "warmup_type": "linear"}}
     return cfg
-
-

@@ -130,8 +130,8 @@ def test_parquet_null_prompt_names_the_row_or_is_skipped(tmp_path):
     prompts = [f"{i}+1=" for i in range(6)]
     prompts[4] = None  # row 4 (0-based), in the third row group
     f = _parquet(tmp_path, {"prompt": prompts, "answer": [str(i + 1) for i in range(6)]})
-    with pytest.raises(DatasetError, match=r"train\.parquet: row 4: field 'prompt' must be a non-empty string, "
-                                           r"got null \(set data\.skip_invalid=true"):
+    with pytest.raises(DatasetError, match=r"train\.parquet: row 4: field 'prompt' must be a non-empty string or a "
+                                           r"list of chat messages, got null \(set data\.skip_invalid=true"):
         DatasetTask(str(f), "prompt", "answer", False, eval_size=1, seed=0)
     task = DatasetTask(str(f), "prompt", "answer", True, eval_size=1, seed=0)
     assert task.counts == {"invalid": 1, "too_long": 0} and len(task.train_rows) == 4
@@ -151,3 +151,14 @@ def test_not_a_parquet_file(tmp_path):
     f.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     with pytest.raises(DatasetError, match=r"broken\.parquet: not a readable Parquet file"):
         DatasetTask(str(f), "prompt", "answer", False, eval_size=1, seed=0)
+
+
+def test_chat_message_prompts_are_accepted_and_bad_messages_named(tmp_path):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    good = _write(tmp_path, [json.dumps({"prompt": msgs, "answer": "4"})] * 3)
+    task = DatasetTask(str(good), "prompt", "answer", False, eval_size=1, seed=0)
+    assert task.eval_set(1)[0].text == msgs
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": [{"role": "robot", "content": "x"}], "answer": "4"}) + "\n")
+    with pytest.raises(DatasetError, match=r"bad\.jsonl:1: field 'prompt', message 0: expected \{role: one of"):
+        DatasetTask(str(bad), "prompt", "answer", False, eval_size=1, seed=0)

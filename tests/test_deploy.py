@@ -217,6 +217,9 @@ class _PartialReloadWorker(ns.NcclWeightSyncExtension):
     rank, device = 0, "cpu"
 
     class model_runner:  # noqa: N801 - mirrors the vLLM worker attribute
+        class model_config:  # noqa: N801
+            dtype = torch.float32
+
         @staticmethod
         def get_model():
             return object()
