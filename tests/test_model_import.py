@@ -68,8 +68,10 @@ def test_smollm2_imports_and_matches_vllm(tmp_path):
     from transformers import AutoTokenizer
 
     # in a subprocess: an in-process vLLM engine would leave this pytest process's torch threads pinned to 1
-    script = (f"import json; from orchestrator.model_import import ensure_smollm2, check_model; "
-              f"print('CHECK', json.dumps(check_model(ensure_smollm2({str(tmp_path / 'smollm2')!r}))))")
+    # the conversion checks the model (vLLM vs transformers) before it renames it into place
+    script = (f"import json; from orchestrator.model_import import import_gguf, packaged_gguf; "
+              f"info = import_gguf(packaged_gguf('smollm2-135m-instruct'), {str(tmp_path / 'smollm2')!r}); "
+              f"print('CHECK', json.dumps(info['check']))")
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("CHECK ")]
     assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
