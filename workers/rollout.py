@@ -40,6 +40,8 @@ class RolloutWorker:
             enforce_eager=_on_cpu() if enforce_eager is None else enforce_eager,
             tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
             worker_extension_cls="workers.nccl_sync.NcclWeightSyncExtension", enable_prefix_caching=True,
+            # logprobs of the distribution actually sampled (after temperature), as the learner computes them
+            logprobs_mode="processed_logprobs",
         )
         if _on_cpu():
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
