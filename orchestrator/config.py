@@ -11,22 +11,28 @@ Load a YAML file and apply dotted overrides with :func:`load_config`; errors com
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from torch import Tensor
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from learner.advantages import AdvantageInputs, conditioned_rewards, get_estimator
-from learner.losses import kl_estimate
+from orchestrator.algorithms import (  # noqa: F401 - re-exported: the algorithm sections are part of the config
+    ALGORITHMS,
+    AlgorithmConfig,
+    DrGRPOConfig,
+    GDPOConfig,
+    GRPOConfig,
+    GRPOProcessConfig,
+    LossConfig,
+    PPOConfig,
+    ReinforcePPBaselineConfig,
+    ReinforcePPConfig,
+    RewardCondition,
+    RLOOConfig,
+)
+from orchestrator.section import Section
 
 EMBEDDED_MODEL_PATH = ".fleetrl/models/arith-base"
-
-
-class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, docstrings become field descriptions."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
 
 class ModelConfig(Section):
@@ -210,193 +216,6 @@ class RewardConfig(Section):
     """Custom Ray resources each reward actor requests."""
     model: RewardModelConfig = Field(default_factory=RewardModelConfig)
     """A learned reward model scored beside the functions (off unless `reward.model.path` is set)."""
-
-
-class LossConfig(Section):
-    clip_low: float = Field(0.2, ge=0.0, le=1.0)
-    """PPO ratio clip below 1 (eps_low)."""
-    clip_high: float = Field(0.2, ge=0.0, le=10.0)
-    """PPO ratio clip above 1 (eps_high; > clip_low is DAPO's clip-higher)."""
-    kl_coef: float = Field(0.0, ge=0.0)
-    """beta: weight of the KL(pi_theta || pi_ref) penalty in the loss."""
-    kl_kind: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator (Schulman): k1 = log r, k2 = (log r)^2 / 2, k3 = r - log r - 1 with r = pi_ref / pi_theta."""
-    entropy_coef: float = Field(0.0, ge=0.0)
-    """Entropy bonus weight (subtracted from the loss)."""
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = (
-        "token_mean"
-    )
-    """How per-token losses become one number; the result does not depend on micro-batch or rank splits."""
-    dual_clip: float | None = Field(None, gt=1.0)
-    """Dual-clip constant c > 1: for negative advantages the loss is capped at -c * A (None disables)."""
-    ratio_level: Literal["token", "sequence"] = "token"
-    """Importance ratio per token (PPO/GRPO) or per sequence (GSPO)."""
-    tis_cap: float | None = Field(2.0, gt=0.0)
-    """Truncated importance sampling: weight tokens by min(pi_old / pi_rollout, tis_cap) to correct for the
-    rollout engine's numerics or staleness (None disables)."""
-    mask_truncated: bool = False
-    """DAPO's overlong filtering: completions cut at `rollout.max_new_tokens` (finish reason `length`) get no
-    loss (their rewards still count in their group's baseline)."""
-
-    def loss_kwargs(self) -> dict:
-        """Keyword arguments of learner.losses.policy_loss (the learner sees only these)."""
-        keys = ("clip_low", "clip_high", "dual_clip", "ratio_level", "aggregation", "kl_coef", "kl_kind",
-                "entropy_coef", "tis_cap")
-        return {k: getattr(self, k) for k in keys}
-
-    uses_critic: ClassVar[bool] = False
-    uses_step_rewards: ClassVar[bool] = False
-
-    def needs_reference(self) -> bool:
-        """Whether a loss or reward term reads the frozen reference policy's logprobs."""
-        return self.kl_coef > 0
-
-    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
-        """Per-token ``(advantages, returns)``, each ``[B, T]`` (returns only for critic methods)."""
-        raise NotImplementedError
-
-
-class GRPOConfig(LossConfig):
-    """GRPO (DeepSeekMath): group-normalized outcome reward as every token's advantage."""
-
-    name: Literal["grpo"] = "grpo"
-    scale_by_std: bool = True
-    """Divide by the group's (unbiased) std; False is Dr. GRPO."""
-    eps: float = Field(1e-6, gt=0.0)
-    """Added to the std in the denominator."""
-
-    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
-        return get_estimator("grpo")(x.rewards, x.group_ids, x.mask, scale_by_std=self.scale_by_std, eps=self.eps), None
-
-
-class DrGRPOConfig(LossConfig):
-    """Dr. GRPO: GRPO without the std division (and usually seq_mean_token_sum_norm aggregation)."""
-
-    name: Literal["dr_grpo"] = "dr_grpo"
-
-    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
-        return get_estimator("dr_grpo")(x.rewards, x.group_ids, x.mask), None
-
-
-class RLOOConfig(LossConfig):
-    """RLOO: reward minus the mean reward of the other members of the group."""
-
-    name: Literal["rloo"] = "rloo"
-
-    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
-        return get_estimator("rloo")(x.rewards, x.group_ids, x.mask), None
-
-
-class ReinforcePPConfig(LossConfig):
-    """REINFORCE++: discounted return-to-go of the outcome reward (on the last token), whitened over the batch."""
-
-    name: Literal["reinforce_pp"] = "reinforce_pp"
-    gamma: float = Field(1.0, ge=0.0, le=1.0)
-    """Discount of the return-to-go."""
-
-    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
-        return get_estimator("reinforce_pp")(x.outcome_token_rewards(), x.mask, gamma=self.gamma)[0], None
-
-
-class ReinforcePPBaselineConfig(LossConfig):
-    """REINFORCE++-baseline: group mean subtracted, then whitened over the batch."""
-
-    name: Literal["reinforce_pp_baseline"] = "reinforce_pp_baseline"
-
-    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
-        return get_estimator("reinforce_pp_baseline")(x.rewards, x.group_ids, x.mask), None
-
-
-class RewardCondition(Section):
-    reward: str
-    """Component that is conditioned (zeroed unless the condition holds)."""
-    if_reward: str
-    """Component the condition reads."""
-    threshold: float = 1.0
-    """`reward` counts only when `if_reward` >= threshold."""
-
-
-class GDPOConfig(LossConfig):
-    """GDPO: each reward component normalized within its group, weighted sum, then batch-normalized."""
-
-    name: Literal["gdpo"] = "gdpo"
-    weights: dict[str, float] | None = None
-    """Weight per component name (default 1 each)."""
-    conditions: list[RewardCondition] = Field(default_factory=list)
-    """Conditioned rewards (seed 000): a component counts only when another reaches a threshold."""
-    eps: float = Field(1e-6, gt=0.0)
-    """Added to the std in both normalizations."""
-
-    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
-        import torch
-
-        idx = {n: i for i, n in enumerate(x.component_names)}
-        for name in [c.reward for c in self.conditions] + [c.if_reward for c in self.conditions] + list(
-                self.weights or {}):
-            if name not in idx:
-                raise KeyError(f"algorithm (gdpo): unknown reward component {name!r}; have {x.component_names}")
-        rules = [(idx[c.reward], idx[c.if_reward], c.threshold) for c in self.conditions]
-        comps = conditioned_rewards(x.components, rules)
-        w = torch.tensor([(self.weights or {}).get(n, 1.0) for n in x.component_names], dtype=comps.dtype)
-        return get_estimator("gdpo")(comps, x.group_ids, x.mask, weights=w, eps=self.eps), None
-
-
-class GRPOProcessConfig(LossConfig):
-    """Process-supervised GRPO (DeepSeekMath): each completion is cut into steps, every step is scored by the
-    reward functions on the completion prefix that ends there, step rewards are normalized per group, and a
-    token's advantage is the sum of the normalized rewards of the steps ending at or after it."""
-
-    name: Literal["grpo_process"] = "grpo_process"
-    uses_step_rewards: ClassVar[bool] = True
-    step_separator: str = "\n"
-    """A step ends at each token whose text contains this string (and at the last token); "" makes every token a
-    step."""
-    eps: float = Field(1e-6, gt=0.0)
-    """Added to the std in the denominator."""
-
-    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
-        return get_estimator("grpo_process")(x.step_rewards, x.step_ends, x.group_ids, x.mask, eps=self.eps), None
-
-
-class PPOConfig(LossConfig):
-    """PPO with a learned critic (seeds 000/002): per-token rewards r_t - beta * KL_t with the outcome reward on the
-    last token, GAE advantages and returns, a clipped value loss for the critic (its own DeepSpeed group)."""
-
-    name: Literal["ppo"] = "ppo"
-    uses_critic: ClassVar[bool] = True
-    gamma: float = Field(1.0, ge=0.0, le=1.0)
-    """GAE discount."""
-    lam: float = Field(0.95, ge=0.0, le=1.0)
-    """GAE lambda."""
-    kl_reward_coef: float = Field(0.0, ge=0.0)
-    """beta of the per-token KL penalty folded into the reward (k1 estimator, PPO/InstructGPT style)."""
-    whiten_advantages: bool = True
-    """Whiten GAE advantages over the batch's valid tokens."""
-    value_clip: float | None = Field(0.2, gt=0.0)
-    """Clip range of the value loss around the old values (None disables)."""
-    critic_lr: float = Field(1e-4, gt=0.0, le=1.0)
-    """Critic AdamW learning rate."""
-
-    def needs_reference(self) -> bool:
-        return self.kl_coef > 0 or self.kl_reward_coef > 0
-
-    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
-        rewards = x.outcome_token_rewards()
-        if self.kl_reward_coef:
-            rewards = rewards - self.kl_reward_coef * kl_estimate(x.old_logprobs, x.ref_logprobs, "k1") * x.mask
-        return get_estimator("gae")(rewards, x.values, x.mask, self.gamma, self.lam, whiten=self.whiten_advantages)
-
-    def critic_loss_kwargs(self) -> dict:
-        return {"clip": self.value_clip, "aggregation": self.aggregation}
-
-
-ALGORITHMS = (GRPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, ReinforcePPBaselineConfig, GDPOConfig,
-              GRPOProcessConfig, PPOConfig)
-AlgorithmConfig = Annotated[
-    Union[GRPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, ReinforcePPBaselineConfig, GDPOConfig,
-          GRPOProcessConfig, PPOConfig],
-    Field(discriminator="name"),
-]
 
 
 class LearnerConfig(Section):
