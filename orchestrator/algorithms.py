@@ -62,6 +62,7 @@ class GRPOConfig(LossConfig):
     """GRPO (DeepSeekMath): group-normalized outcome reward as every token's advantage."""
 
     name: Literal["grpo"] = "grpo"
+    """Selects this algorithm: `algorithm.name: grpo`."""
     scale_by_std: bool = True
     """Divide by the group's (unbiased) std; False is Dr. GRPO."""
     eps: float = Field(1e-6, gt=0.0)
@@ -75,6 +76,7 @@ class DrGRPOConfig(LossConfig):
     """Dr. GRPO: GRPO without the std division (and usually seq_mean_token_sum_norm aggregation)."""
 
     name: Literal["dr_grpo"] = "dr_grpo"
+    """Selects this algorithm: `algorithm.name: dr_grpo`."""
 
     def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
         return get_estimator("dr_grpo")(x.rewards, x.group_ids, x.mask), None
@@ -84,6 +86,7 @@ class RLOOConfig(LossConfig):
     """RLOO: reward minus the mean reward of the other members of the group."""
 
     name: Literal["rloo"] = "rloo"
+    """Selects this algorithm: `algorithm.name: rloo`."""
 
     def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
         return get_estimator("rloo")(x.rewards, x.group_ids, x.mask), None
@@ -93,6 +96,7 @@ class ReinforcePPConfig(LossConfig):
     """REINFORCE++: discounted return-to-go of the outcome reward (on the last token), whitened over the batch."""
 
     name: Literal["reinforce_pp"] = "reinforce_pp"
+    """Selects this algorithm: `algorithm.name: reinforce_pp`."""
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     """Discount of the return-to-go."""
 
@@ -104,6 +108,7 @@ class ReinforcePPBaselineConfig(LossConfig):
     """REINFORCE++-baseline: group mean subtracted, then whitened over the batch."""
 
     name: Literal["reinforce_pp_baseline"] = "reinforce_pp_baseline"
+    """Selects this algorithm: `algorithm.name: reinforce_pp_baseline`."""
 
     def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
         return get_estimator("reinforce_pp_baseline")(x.rewards, x.group_ids, x.mask), None
@@ -122,6 +127,7 @@ class GDPOConfig(LossConfig):
     """GDPO: each reward component normalized within its group, weighted sum, then batch-normalized."""
 
     name: Literal["gdpo"] = "gdpo"
+    """Selects this algorithm: `algorithm.name: gdpo`."""
     weights: dict[str, float] | None = None
     """Weight per component name (default 1 each)."""
     conditions: list[RewardCondition] = Field(default_factory=list)
@@ -149,6 +155,7 @@ class GRPOProcessConfig(LossConfig):
     token's advantage is the sum of the normalized rewards of the steps ending at or after it."""
 
     name: Literal["grpo_process"] = "grpo_process"
+    """Selects this algorithm: `algorithm.name: grpo_process`."""
     uses_step_rewards: ClassVar[bool] = True
     step_separator: str = "\n"
     """A step ends at each token whose text contains this string (and at the last token); "" makes every token a
@@ -165,6 +172,7 @@ class PPOConfig(LossConfig):
     last token, GAE advantages and returns, a clipped value loss for the critic (its own DeepSpeed group)."""
 
     name: Literal["ppo"] = "ppo"
+    """Selects this algorithm: `algorithm.name: ppo`."""
     uses_critic: ClassVar[bool] = True
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     """GAE discount."""

@@ -21,6 +21,8 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("-c", "--config", help="YAML config file")
         if name == "train":
             sp.add_argument("--resume", help="'auto' (newest complete checkpoint of run.dir) or a checkpoint dir")
+            sp.add_argument("--verbose", action="store_true", help="also show every actor's and engine's output "
+                            "on the console (run.verbose=true); it is in <run.dir>/logs/ either way")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=8")
     _cluster_parsers(sub)
     _eval_parsers(sub)
@@ -161,9 +163,30 @@ def _init_model(args) -> int:
     return 0
 
 
+def _train(cfg: FleetConfig, resume: str | None) -> int:
+    """`train`: a failure inside an actor is reported with the actor's name and its log file."""
+    from orchestrator.console import describe_failure
+    from orchestrator.pools import LearnerDied
+    from orchestrator.trainer import BadTraining, CheckpointFailed, run_training
+
+    try:
+        run_training(cfg, resume=resume)
+    except (LearnerDied, BadTraining, CheckpointFailed) as e:
+        print(f"fleetrl: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        failed = describe_failure(e)
+        if failed is None:
+            raise
+        print(f"fleetrl: {failed}\n  driver log: {Path(cfg.run.dir) / 'logs' / 'driver.log'}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command != "train":  # a training run sends its log to <run.dir>/logs/driver.log (orchestrator.console)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         if args.command == "init-model":
             return _init_model(args)
@@ -183,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(config_reference_markdown(), end="")
             return 0
-        cfg = load_config(args.config, args.overrides)
+        overrides = args.overrides + (["run.verbose=true"] if getattr(args, "verbose", False) else [])
+        cfg = load_config(args.config, overrides)
         if args.command == "config":
             print(dump_config(cfg), end="")
             return 0
@@ -193,15 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         ensure_reward_model(cfg.reward.model.path, cfg.model.path)
         if args.command in ("eval", "rft"):
             return _eval_command(args, cfg)
-        from orchestrator.pools import LearnerDied
-        from orchestrator.trainer import run_training
-
-        try:
-            run_training(cfg, resume=args.resume)
-        except LearnerDied as e:
-            print(f"fleetrl: {e}", file=sys.stderr)
-            return 1
-        return 0
+        return _train(cfg, args.resume)
     except (ConfigError, FileNotFoundError, DatasetError) as e:
         print(f"fleetrl: {e}", file=sys.stderr)
         return 2

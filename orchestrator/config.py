@@ -309,6 +309,40 @@ class RunConfig(Section):
     dump_rollouts: bool = False
     """Debug: write every step's scored samples (uid, sample index, worker, policy version, reward, text) to
     `rollouts/step_NNNNNN.jsonl` in the run directory."""
+    verbose: bool = False
+    """Show every actor's and engine's own output (vLLM, DeepSpeed, Ray) on the console, as well as in
+    `logs/<actor>.log` (`fleetrl train --verbose`). Off: the console shows fleetrl's banner, progress, evals
+    and the warnings that matter; everything else is in `logs/`."""
+    loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = ["jsonl", "tensorboard"]
+    """Where step metrics go (same names everywhere; the resolved config is logged as params). `jsonl` is the
+    run's own record (`metrics.jsonl`, read on resume) and is required; `wandb` and `mlflow` need the
+    `trackers` extra (`pip install 'fleetrl[trackers]'`)."""
+    wandb_project: str = "fleetrl"
+    """W&B project of the run (the run's name is its run-dir name)."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """`offline`: W&B writes the run under `<run.dir>/wandb/` and needs no network (`wandb sync` uploads it
+    later); `online` streams to the W&B server (needs a login)."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI; None: a local SQLite store, `sqlite:///<run.dir>/mlflow.db`
+    (`mlflow ui --backend-store-uri sqlite:///<run.dir>/mlflow.db`)."""
+    mlflow_experiment: str = "fleetrl"
+    """MLflow experiment the run is logged under."""
+
+    @field_validator("loggers")
+    @classmethod
+    def _check_loggers(cls, v: list[str]) -> list[str]:
+        import importlib.util
+
+        if "jsonl" not in v:
+            raise ValueError(f"{v}: must include 'jsonl' (metrics.jsonl is the run's own record: resume and the "
+                             "progress plot read it)")
+        if len(set(v)) != len(v):
+            raise ValueError(f"{v}: a logger is listed twice")
+        for name, module in (("wandb", "wandb"), ("mlflow", "mlflow")):
+            if name in v and importlib.util.find_spec(module) is None:
+                raise ValueError(f"'{name}' needs the {module} package, which is not installed: "
+                                 "pip install 'fleetrl[trackers]'")
+        return v
 
 
 class RFTConfig(Section):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,9 +30,13 @@ class PhaseTimer:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, plot_every: int, keep_before: int = 0):
+    """``metrics.jsonl`` (the run's record, one object per step), the progress plot, and the trackers of
+    ``run.loggers`` (:mod:`orchestrator.trackers`)."""
+
+    def __init__(self, run_dir: Path, plot_every: int, keep_before: int = 0, loggers: tuple[str, ...] = ("jsonl",),
+                 params: dict | None = None):
         """``keep_before``: on resume, keep the existing rows of steps before it and drop the rest."""
-        from torch.utils.tensorboard import SummaryWriter
+        from orchestrator.trackers import make_trackers
 
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
@@ -42,20 +45,21 @@ class MetricsLogger:
             rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
             self.history = [r for r in rows if r["step"] < keep_before]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
-        self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self.trackers = make_trackers(list(loggers), run_dir, params or {})
         self.plot_every = plot_every
 
     def log(self, metrics: dict) -> None:
+        from orchestrator.trackers import finite_numbers
+
         clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
                  for k, v in metrics.items()}
         clean["step"] = int(metrics["step"])
         self.history.append(clean)
         with self.path.open("a") as f:
             f.write(json.dumps(clean, allow_nan=True) + "\n")
-        for k, v in clean.items():
-            if k != "step" and isinstance(v, float) and math.isfinite(v):
-                self.tb.add_scalar(k, v, clean["step"])
-        self.tb.flush()
+        numbers = finite_numbers(clean)
+        for tracker in self.trackers:
+            tracker.log(numbers, clean["step"])
         if clean["step"] % self.plot_every == 0:
             self.plot()
 
@@ -84,7 +88,8 @@ class MetricsLogger:
 
     def close(self) -> None:
         self.plot()
-        self.tb.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def progress_line(m: dict) -> str:

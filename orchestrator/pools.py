@@ -16,9 +16,11 @@ from learner.batch import TrainBatch
 from learner.packing import Layout
 from learner.worker import LearnerWorker, ds_config
 from orchestrator.config import FleetConfig
+from orchestrator.console import actor_failed, actor_label, remember_actor
 from rewards.reward_model import RewardModelWorker
 from rewards.tasks import Prompt
 from rewards.worker import RewardWorker
+from workers.actor_logs import actor_env
 from workers.records import Sample, ScoredSample
 from workers.rollout import CPU_ENV, RolloutWorker
 
@@ -46,19 +48,19 @@ class ActorPool:
         self.max_restarts = max_restarts
         self.restarts = 0
         self.recovery_s = 0.0  # seconds the last replacement took (spawn + weights)
-        self.workers = [self._spawn(i, self.role + f"-{i}") for i in range(count)]
+        self.workers = [self._spawn_named(i, "") for i in range(count)]
 
     def _spawn(self, index: int, name: str):
         raise NotImplementedError
 
     def restart(self, index: int, error: Exception) -> None:
         if self.restarts >= self.max_restarts:
-            raise RuntimeError(f"{self.role}-{index} died and the restart budget ({self.max_restarts}) is spent: "
-                               f"{error}") from error
+            raise RuntimeError(f"{actor_label(self.workers[index]) or f'{self.role}-{index}'} died and the restart "
+                               f"budget ({self.max_restarts}) is spent: {error}") from error
         self.restarts += 1
         t0 = time.perf_counter()
-        log.warning("%s-%d died (%s); restarting it (%d/%d)", self.role, index, type(error).__name__,
-                    self.restarts, self.max_restarts)
+        log.warning("%s died (%s); restarting it (%d/%d)", actor_label(self.workers[index]) or f"{self.role}-{index}",
+                    type(error).__name__, self.restarts, self.max_restarts)
         with contextlib.suppress(Exception):
             ray.kill(self.workers[index], no_restart=True)
         self.workers[index] = self._spawn_named(index, f"r{self.restarts}")
@@ -67,10 +69,20 @@ class ActorPool:
         log.warning("%s-%d replaced in %.1fs", self.role, index, self.recovery_s)
 
     def _spawn_named(self, index: int, suffix: str):
+        name = f"{self.role}-{index}"
         try:
-            return self._spawn(index, f"{self.role}-{index}")
+            handle = self._spawn(index, name)
         except ValueError:  # a dead actor's name is not released yet
-            return self._spawn(index, f"{self.role}-{index}-{suffix}")
+            name = f"{name}-{suffix}"
+            handle = self._spawn(index, name)
+        remember_actor(handle, name, self.cfg.run.dir)
+        return handle
+
+    def _options(self, name: str, env: dict | None = None) -> dict:
+        """Ray options every actor of the pool gets: its name, and the environment that sends its output to
+        ``<run.dir>/logs/<name>.log``."""
+        return {"name": name, "scheduling_strategy": "SPREAD",
+                "runtime_env": {"env_vars": {**(env or {}), **log_env(self.cfg)}}}
 
     def _after_restart(self, worker) -> None:
         pass
@@ -104,6 +116,8 @@ class ActorPool:
                 self.restart(i, e)
                 refs[i] = call(self.workers[i], parts[i])
                 continue
+            except ray.exceptions.RayTaskError as e:  # the actor's method raised: name it and its log
+                raise actor_failed(self.workers[i], e) from e
             del refs[i]
         return [out[i] for i in sorted(out)]
 
@@ -127,9 +141,8 @@ class RolloutPool(ActorPool):
     def _spawn(self, index: int, name: str):
         r = self.cfg.rollout
         actor = ray.remote(RolloutWorker).options(
-            name=name, num_cpus=r.num_cpus, num_gpus=r.num_gpus * r.tensor_parallel_size,
-            runtime_env={"env_vars": CPU_ENV}, scheduling_strategy="SPREAD", max_concurrency=1,
-            resources=r.resources or None,
+            num_cpus=r.num_cpus, num_gpus=r.num_gpus * r.tensor_parallel_size, max_concurrency=1,
+            resources=r.resources or None, **self._options(name, CPU_ENV),
         )
         return actor.remote(
             self.cfg.model.path, self.cfg.engine_dtype, self.max_model_len, r.kv_cache_gib,
@@ -186,8 +199,8 @@ class RewardPool(ActorPool):
     def _spawn(self, index: int, name: str):
         rc = self.cfg.reward
         specs = [(f.name, f.weight, f.params) for f in rc.functions]
-        return ray.remote(RewardWorker).options(name=name, num_cpus=rc.num_cpus, resources=rc.resources or None,
-                                                scheduling_strategy="SPREAD").remote(specs, rc.timeout_s, rc.strict)
+        return ray.remote(RewardWorker).options(num_cpus=rc.num_cpus, resources=rc.resources or None,
+                                                **self._options(name)).remote(specs, rc.timeout_s, rc.strict)
 
     def score(self, samples: list[Sample]) -> tuple[list[ScoredSample], int]:
         parts = _chunks(samples, len(self.workers))
@@ -219,7 +232,7 @@ class RewardModelPool(ActorPool):
 
     def _spawn(self, index: int, name: str):
         rm = self.cfg.reward.model
-        actor = ray.remote(RewardModelWorker).options(name=name, num_cpus=rm.num_cpus, scheduling_strategy="SPREAD")
+        actor = ray.remote(RewardModelWorker).options(num_cpus=rm.num_cpus, **self._options(name))
         return actor.remote(rm.path, rm.batch_size, self.cfg.model.dtype, self.cfg.trainer.torch_threads)
 
     def score(self, samples: list[Sample]) -> list[float]:
@@ -261,12 +274,15 @@ class LearnerGroup:
             ray.remote(LearnerWorker).options(
                 name=f"{prefix}-{r}", num_cpus=lc.num_cpus, num_gpus=lc.num_gpus, resources=lc.resources or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+                runtime_env={"env_vars": log_env(cfg)},
             ).remote(r, self.world, master_addr, port, cfg.model.path, cfg.model.dtype, dsc, loss_kwargs,
                      cfg.rollout.temperature, cfg.trainer.seed, cfg.trainer.torch_threads, lc.gradient_checkpointing,
                      role, cfg.uses_reference, lc.mixed_precision, learner_layout(cfg))
             for r in range(self.world)
         ]
-        ray.get([w.ping.remote() for w in self.ranks])
+        for r, handle in enumerate(self.ranks):
+            remember_actor(handle, f"{prefix}-{r}", cfg.run.dir)
+        get_ranks([w.ping.remote() for w in self.ranks], prefix)
 
     def _bundle0_ip(self) -> str:
         node_id = ray.util.placement_group_table(self.pg)["bundles_to_node_id"][0]
@@ -337,6 +353,13 @@ class LearnerGroup:
         self._get([w.load_checkpoint.remote(path) for w in self.ranks])
 
 
+def log_env(cfg: FleetConfig) -> dict[str, str]:
+    """Environment variables that send an actor's output to ``<run.dir>/logs/<its name>.log``."""
+    from pathlib import Path
+
+    return actor_env(str(Path(cfg.run.dir) / "logs"), cfg.run.verbose)
+
+
 def learner_layout(cfg: FleetConfig) -> Layout:
     lc = cfg.learner
     return Layout(packing=lc.packing, chunk_tokens=lc.logprob_chunk_tokens, micro_batch_tokens=lc.micro_batch_tokens,
@@ -348,14 +371,21 @@ class LearnerDied(RuntimeError):
 
 
 def get_ranks(refs: list, group: str = "learner") -> list:
-    """ray.get over a learner group's calls; a dead rank becomes :class:`LearnerDied` (the group cannot go on)."""
-    try:
-        return ray.get(refs)
-    except ray.exceptions.RayActorError as e:
-        raise LearnerDied(f"a {group} rank died ({type(e).__name__}); the group cannot continue without it") from e
+    """ray.get over a learner group's calls, ``refs[r]`` being rank r's; a dead rank becomes :class:`LearnerDied`
+    (the group cannot go on), a rank whose method raised an error naming the rank and its log."""
+    out = []
+    for rank, ref in enumerate(refs):  # all are in flight already: getting them in order costs nothing
+        try:
+            out.append(ray.get(ref))
+        except ray.exceptions.RayActorError as e:
+            name = actor_label(e) or actor_label(f"{group}-{rank}") or f"a {group} rank"
+            raise LearnerDied(f"{name} died ({type(e).__name__}); the group cannot continue without it") from e
+        except ray.exceptions.RayTaskError as e:
+            raise actor_failed(f"{group}-{rank}", e) from e
+    return out
 
 
-def gather_metrics(refs: list) -> dict:
+def gather_metrics(refs: list, group: str = "learner") -> dict:
     """Sum the ranks' additive metric shares (keys ending in ``_max`` take the max over ranks)."""
-    outs = get_ranks(refs)
+    outs = get_ranks(refs, group)
     return {k: max(o[k] for o in outs) if k.endswith("_max") else sum(o[k] for o in outs) for k in outs[0]}

@@ -22,8 +22,9 @@ from learner.advantages import AdvantageInputs
 from learner.batch import TrainBatch, build_batch
 from orchestrator import checkpoint as ckpt
 from orchestrator.config import FleetConfig, dump_config
+from orchestrator.console import Console, banner
 from orchestrator.controller import start_controller
-from orchestrator.metrics import MetricsLogger, PhaseTimer, progress_line
+from orchestrator.metrics import MetricsLogger, PhaseTimer
 from orchestrator.pools import LearnerDied, LearnerGroup, RewardPool, RolloutPool, gather_metrics, get_ranks
 from rewards.functions import is_correct
 from rewards.tasks import make_task_from_config
@@ -34,8 +35,10 @@ log = logging.getLogger("fleetrl")
 
 
 class Trainer:
-    def __init__(self, cfg: FleetConfig, resume: str | None = None):
+    def __init__(self, cfg: FleetConfig, resume: str | None = None, console: Console | None = None):
         self.cfg = cfg
+        self.console = console or Console(verbose=cfg.run.verbose)
+        self.dashboard: str | None = None  # the Ray dashboard's URL, when there is one
         self.run_dir = Path(cfg.run.dir)
         self.task = make_task(cfg)
         self.eval_prompts = self.task.eval_set(cfg.data.eval_size)
@@ -55,9 +58,12 @@ class Trainer:
         (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
         if self.resume_from:
             self.start_step = ckpt.load_state(self.resume_from)["step"]
-        self.metrics = MetricsLogger(self.run_dir, self.cfg.run.plot_every, keep_before=self.start_step)
+        self.metrics = MetricsLogger(self.run_dir, self.cfg.run.plot_every, keep_before=self.start_step,
+                                     loggers=self.cfg.run.loggers, params=self.cfg.model_dump(mode="json"))
         max_len = max_model_len(self.cfg)
         t0 = time.perf_counter()
+        self.console.print(f"fleetrl: starting the actors (vLLM engines, DeepSpeed ranks); their output goes to "
+                           f"{self.run_dir / 'logs'}/")
         self.learner = LearnerGroup(self.cfg)
         self.critic = LearnerGroup(self.cfg, role="critic") if self.cfg.algorithm.uses_critic else None
         self.rollouts = RolloutPool(self.cfg, max_model_len=max_len)
@@ -65,6 +71,9 @@ class Trainer:
         self.controller = start_controller(self.run_dir.name, len(self.rollouts.workers), len(self.rewards.workers))
         log.info("actors up in %.1fs: %d rollout, %d reward, %d learner ranks", time.perf_counter() - t0,
                  len(self.rollouts.workers), len(self.rewards.workers), self.learner.world)
+        for line in banner(self.cfg, self.learner.world, len(self.rollouts.workers), len(self.rewards.workers),
+                           self.dashboard):
+            self.console.print(line)
         if self.resume_from:
             self.restore(self.resume_from)
 
@@ -76,7 +85,7 @@ class Trainer:
             self.critic.load_checkpoint(str(path / "critic"))
         self.version = state["policy_version"] - 1
         self.push_weights()
-        log.info("resumed from %s at step %d (policy version %d)", path, self.start_step, self.version)
+        self.console.print(f"resumed from {path} at step {self.start_step} (policy version {self.version})")
 
     def save_checkpoint(self, next_step: int) -> float:
         """Write a complete checkpoint for resuming at ``next_step``; returns seconds taken."""
@@ -114,6 +123,7 @@ class Trainer:
         total, budget = self.cfg.trainer.total_steps, self.cfg.trainer.time_budget_s
         t0 = time.perf_counter()
         save_every, bad_steps = self.cfg.trainer.save_every, 0
+        self.console.start(total, self.start_step)
         for step in range(self.start_step, total + 1):
             last = (step == total or self.stop_requested
                     or (budget is not None and time.perf_counter() - t0 > budget))
@@ -127,11 +137,23 @@ class Trainer:
                     metrics["time/checkpoint_s"] = self.save_checkpoint(step + 1)
             self.metrics.log(metrics)
             self.controller.report.remote(metrics)
-            print(progress_line(metrics), flush=True)
+            self._warn(metrics)
+            self.console.step(metrics)
             if last:
                 break
+        self.console.close()
         self.finish(time.perf_counter() - t0)
         return self.metrics.history
+
+    def _warn(self, m: dict) -> None:
+        """The per-step warnings that matter on the console: a skipped update, failed reward calls."""
+        if m.get("train/bad_steps_in_a_row", 0) > 0:
+            log.warning("step %d: update skipped (NaN/Inf loss or gradient), %d in a row (the run stops at "
+                        "trainer.max_bad_steps=%d)", m["step"], m["train/bad_steps_in_a_row"],
+                        self.cfg.trainer.max_bad_steps)
+        if m.get("reward/errors", 0) > 0:
+            log.warning("step %d: %d reward-function calls raised or timed out and scored 0 (tracebacks in %s)",
+                        m["step"], m["reward/errors"], self.run_dir / "logs" / "reward-*.log")
 
     def _count_bad_step(self, metrics: dict, bad_steps: int) -> int:
         """A step whose update was skipped for a NaN/Inf gradient is bad; too many in a row stop the run."""
@@ -157,6 +179,10 @@ class Trainer:
                    "eval_accuracy_last": evals[-1] if evals else None, "peak_rss_mb": self.peak_rss()}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         log.info("final policy written to %s; summary %s", final, summary)
+        first, last = summary["eval_accuracy_first"], summary["eval_accuracy_last"]
+        evals = f"; held-out accuracy {first:.3f} -> {last:.3f}" if first is not None else ""
+        self.console.print(f"done: {summary['steps']} steps in {train_seconds / 60:.1f} min{evals}; final policy "
+                           f"{final}, summary {self.run_dir / 'summary.json'}")
 
     def peak_rss(self) -> dict[str, float]:
         """Peak resident memory of every actor process, MB (ru_maxrss)."""
@@ -307,7 +333,7 @@ class Trainer:
         """Actor update, and the critic's beside it (both groups run concurrently)."""
         refs = self.learner.train_async(batch)
         critic_refs = self.critic.train_async(batch) if self.critic else []
-        return {**gather_metrics(refs), **(gather_metrics(critic_refs) if critic_refs else {})}
+        return {**gather_metrics(refs), **(gather_metrics(critic_refs, "critic") if critic_refs else {})}
 
     def step_rewards(self, scored: list[ScoredSample]) -> tuple[torch.Tensor, torch.Tensor]:
         """Process supervision: cut each completion into steps and score every step's prefix with the reward
@@ -465,26 +491,33 @@ def learner_metrics(m: dict) -> dict:
 
 
 def run_training(cfg: FleetConfig, resume: str | None = None) -> list[dict]:
-    """Join or start Ray, then run the loop."""
-    trainer = Trainer(cfg, resume)  # resolves --resume before any actor starts
-    init_ray(cfg)
+    """Join or start Ray, then run the loop. The driver's own log goes to ``<run.dir>/logs/driver.log``."""
+    console = Console(verbose=cfg.run.verbose)
+    console.setup_logging(Path(cfg.run.dir))
+    trainer = Trainer(cfg, resume, console)  # resolves --resume before any actor starts
+    trainer.dashboard = init_ray(cfg)
     return trainer.run()
 
 
-def init_ray(cfg: FleetConfig) -> None:
+def init_ray(cfg: FleetConfig) -> str | None:
     """Join ``run.ray_address`` (or RAY_ADDRESS, as inside a Ray job), or start a private local Ray instance with
-    enough CPUs for the configured actors."""
+    enough CPUs for the configured actors. Actors' output reaches this console only with ``run.verbose`` (it is in
+    their log files either way). Returns the Ray dashboard's URL, if there is one."""
     import math
 
     import ray
 
     if ray.is_initialized():
-        return
+        return None
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
+    quiet = {"log_to_driver": cfg.run.verbose, "logging_level": logging.INFO if cfg.run.verbose else logging.ERROR}
     if address:
-        ray.init(address=address)
+        ctx = ray.init(address=address, **quiet)
     else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(_cpus_needed(cfg))), include_dashboard=False)
+        ctx = ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(_cpus_needed(cfg))), include_dashboard=False,
+                       **quiet)
+    url = getattr(ctx, "dashboard_url", None)
+    return f"http://{url}" if url and not url.startswith("http") else url or None
 
 
 def make_task(cfg: FleetConfig):

@@ -18,6 +18,8 @@ import random
 import time
 from pathlib import Path
 
+from workers.actor_logs import LoggedActor
+
 EMBEDDED_REWARD_MODEL_PATH = ".fleetrl/models/arith-rm"
 
 
@@ -57,11 +59,12 @@ def load_reward_model(path: str | Path, dtype: str = "float32"):
     return tokenizer, model.eval().requires_grad_(False)
 
 
-class RewardModelWorker:
+class RewardModelWorker(LoggedActor):
     """Scores (prompt, completion) pairs with a sequence-classification reward model, ``batch_size`` pairs per
     forward pass. Plain class (testable without Ray)."""
 
     def __init__(self, model_path: str, batch_size: int, dtype: str = "float32", torch_threads: int = 1):
+        self._start_logging()
         import torch
 
         torch.set_num_threads(torch_threads)

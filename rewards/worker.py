@@ -15,6 +15,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from rewards.functions import load_reward_function
+from workers.actor_logs import LoggedActor
 
 log = logging.getLogger("fleetrl.reward")
 
@@ -31,11 +32,12 @@ class RewardFunctionError(RuntimeError):
     """Raised in strict mode when a reward function fails."""
 
 
-class RewardWorker:
+class RewardWorker(LoggedActor):
     """Plain class; the orchestrator wraps it with ``ray.remote`` (so it is testable without Ray)."""
 
     def __init__(self, specs: list[tuple[str, float, dict]], timeout_s: float, strict: bool, max_threads: int = 8):
         """``specs``: (name, weight, params) per function; params are bound as keyword arguments."""
+        self._start_logging()
         self.fns = [(name, functools.partial(load_reward_function(name), **params), weight)
                     for name, weight, params in specs]
         for _, fn, _ in self.fns:  # a function may check its prerequisites here (the code reward: its sandbox)
@@ -72,11 +74,14 @@ class RewardWorker:
                 return {f"{name}/{k}": float(v) for k, v in out.items()}, True
             return {name: float(out)}, True
         except FutureTimeout:
-            err = f"reward function {name!r} timed out after {self.timeout_s}s"
-        except Exception:  # noqa: BLE001 - a user's reward function may raise anything
+            err = brief = f"reward function {name!r} timed out after {self.timeout_s}s"
+        except Exception as e:  # noqa: BLE001 - a user's reward function may raise anything
             err = f"reward function {name!r} raised:\n{traceback.format_exc()}"
+            brief = f"reward function {name!r} raised {type(e).__name__}: {e}"
         if self.strict:
-            raise RewardFunctionError(err + " (reward.strict=true makes this fatal)")
+            log.error("%s (reward.strict=true makes this fatal)", err)
+            raise RewardFunctionError(f"{brief} (reward.strict=true makes this fatal; the traceback is in this "
+                                      "actor's log)")
         if not self._logged:
             log.error("%s (scored 0; further errors are only counted)", err)
             self._logged = True

@@ -18,21 +18,27 @@ REQUIRED = ["step", "policy_version", "reward/mean", "reward/std", "train/accura
             "time/step_s", "weight_sync/logprob_max_diff"]
 
 
-def run_fleetrl(run_dir: Path, *args: str, timeout: int = 600) -> list[dict]:
+def train(run_dir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`fleetrl train` as a user runs it (not a TTY here, so the console prints one line per step)."""
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", **shared_ray_env())
     cmd = [sys.executable, "-m", "orchestrator", "train", f"run.dir={run_dir}", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_fleetrl(run_dir: Path, *args: str, timeout: int = 600) -> list[dict]:
+    proc = train(run_dir, *args, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.e2e
 def test_grpo_three_steps_real_stack(tmp_path):
     run_dir = tmp_path / "run"
-    rows = run_fleetrl(run_dir, "trainer.total_steps=3", "trainer.eval_every=3", "rollout.num_workers=2",
-                       "reward.num_workers=1", "learner.num_ranks=2", "learner.zero_stage=2", "data.eval_size=32",
-                       "learner.lr=1e-3", "learner.log_kl=true")
+    proc = train(run_dir, "trainer.total_steps=3", "trainer.eval_every=3", "rollout.num_workers=2",
+                 "reward.num_workers=1", "learner.num_ranks=2", "learner.zero_stage=2", "data.eval_size=32",
+                 "learner.lr=1e-3", "learner.log_kl=true", "run.loggers=[jsonl, tensorboard, wandb, mlflow]")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["policy_version"] for r in rows] == [0, 1, 2, 3]
@@ -50,6 +56,47 @@ def test_grpo_three_steps_real_stack(tmp_path):
     assert (run_dir / "config.yaml").exists() and (run_dir / "progress.png").stat().st_size > 1000
     assert any((run_dir / "tensorboard").iterdir())
     _check_final_policy(run_dir / "final")
+    _check_console(proc, run_dir, steps=4)
+    _check_trackers(run_dir, rows)
+
+
+def _check_console(proc: subprocess.CompletedProcess, run_dir: Path, steps: int) -> None:
+    """The console holds fleetrl's banner, one line per step and the closing line; the engines' output is in the
+    per-actor log files."""
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert len(lines) <= 12 + steps, "\n".join(lines)
+    assert sum(line.startswith("step ") for line in lines) == steps
+    assert any(line.startswith("  actors       2 rollout (vLLM), 1 reward, learner 2 ranks") for line in lines)
+    assert proc.stdout.splitlines()[-1].startswith("done: 3 steps")
+    assert not [line for line in lines if "pid=" in line or "vllm" in line.lower()], "\n".join(lines)
+    logs = run_dir / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == ["driver.log", "learner-0.log", "learner-1.log", "reward-0.log",
+                                                      "rollout-0.log", "rollout-1.log"]
+    for i in (0, 1):
+        engine = (logs / f"rollout-{i}.log").read_text()
+        assert "Initializing a V1 LLM engine" in engine and "Reloading weights inplace" in engine
+        assert "Failed to load weights" not in engine  # the two expected reload warnings are filtered
+    assert (logs / "learner-0.log").read_text().startswith("==== learner-0 (pid ")
+
+
+def _check_trackers(run_dir: Path, rows: list[dict]) -> None:
+    """MLflow's client and W&B's offline run file give back exactly the finite numbers of metrics.jsonl."""
+    import math
+
+    from mlflow.tracking import MlflowClient
+
+    from tests import wandb_offline
+
+    expected = {(r["step"], k): v for r in rows for k, v in r.items()
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("fleetrl").experiment_id])
+    got = {(m.step, key): m.value for key in run.data.metrics for m in client.get_metric_history(run.info.run_id, key)}
+    assert got == expected
+    assert run.data.params["learner.num_ranks"] == "2"
+    history, config = wandb_offline.read_run(run_dir)
+    assert {(s, k): v for s, row in history.items() for k, v in row.items()} == expected
+    assert config["learner"]["num_ranks"] == 2
 
 
 def _check_final_policy(final: Path):

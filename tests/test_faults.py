@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from tests.conftest import shared_ray_env
-from tests.test_e2e import ROOT
+from tests.test_e2e import ROOT, train
 
 DRIVER = textwrap.dedent("""
     import json, os, signal, sys, threading, time
@@ -97,3 +97,20 @@ def test_nan_steps_are_skipped_then_the_run_stops(tmp_path, ranks, zero_stage):
     # the skipped updates left the policy untouched: it still equals the reference exactly
     assert rows[1]["kl"] == 0.0 and rows[1]["weight_sync/logprob_max_diff"] < 1e-3
     assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").glob("step_*"))
+
+
+def failing_reward(prompt, completion, metadata):
+    raise ValueError("this reward function always fails")
+
+
+@pytest.mark.e2e
+def test_a_failing_actor_is_named_on_the_console_with_its_log(tmp_path):
+    proc = train(tmp_path, "trainer.total_steps=2", "trainer.eval_every=0", "rollout.num_workers=1",
+                 "learner.num_ranks=1", "learner.zero_stage=0", "reward.strict=true",
+                 "reward.functions=[{name: 'tests.test_faults:failing_reward'}]")
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    log = tmp_path / "logs" / "reward-0.log"
+    assert f"fleetrl: reward-0 (its log: {log}) failed: RewardFunctionError" in proc.stderr, proc.stderr
+    assert "this reward function always fails" in proc.stderr and "Traceback" not in proc.stderr
+    assert "ValueError: this reward function always fails" in log.read_text()  # the traceback is in its log
+    assert f"driver log: {tmp_path / 'logs' / 'driver.log'}" in proc.stderr

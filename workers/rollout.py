@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Iterator
 
+from workers.actor_logs import LoggedActor
 from workers.prompts import PromptRenderer
 from workers.records import Sample
 
@@ -24,13 +25,14 @@ CPU_ENV = {
 }
 
 
-class RolloutWorker:
+class RolloutWorker(LoggedActor):
     """Plain class; the orchestrator wraps it with ``ray.remote`` and names it ``rollout-i``."""
 
     def __init__(self, model_path: str, dtype: str, max_model_len: int, kv_cache_gib: float, seed: int,
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1, max_num_seqs: int = 256,
                  enforce_eager: bool | None = None, prompt_format: str = "auto", system_prompt: str | None = None,
                  stop: list[str] | None = None):
+        self._start_logging()
         for key, value in CPU_ENV.items():
             os.environ.setdefault(key, value)
         from vllm import LLM
@@ -53,7 +55,6 @@ class RolloutWorker:
         self.stop = list(stop or [])
         self.policy_version = 0
         self.generated_tokens = 0
-        self.name = _actor_name()
 
     def generate(self, prompts: list[tuple[str, str | list[dict], dict]], group_size: int, max_new_tokens: int,
                  temperature: float, top_p: float, seed: int | None) -> list[Sample]:
@@ -137,18 +138,6 @@ def _sample_seed(seed: int, uid: str, j: int) -> int:
     import zlib
 
     return (seed * 1_000_003 + zlib.crc32(f"{uid}/{j}".encode())) % (2**31 - 1)
-
-
-def _actor_name() -> str:
-    """This actor's Ray name ('' outside Ray)."""
-    try:
-        import ray
-
-        if not ray.is_initialized():  # built outside Ray (benchmarks): don't start an instance just to ask
-            return ""
-        return ray.get_runtime_context().get_actor_name() or ""
-    except Exception:  # noqa: BLE001 - not in a Ray worker
-        return ""
 
 
 def _on_cpu() -> bool:

@@ -7,9 +7,29 @@ The name is prefixed because the CPU worker already has a method named ``update_
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class ExpectedReloadWarnings(logging.Filter):
+    """Drops exactly vLLM's "<layer>: Failed to load weights" warnings that every in-place push causes and that do
+    not matter, and nothing else. The layer-wise reload warns for a layer none of whose tensors were pushed and then
+    puts the layer's existing tensors back. For two layers that is right: ``RotaryEmbedding`` holds only its cos/sin
+    cache, computed from the config and never a checkpoint tensor; ``ParallelLMHead`` with tied embeddings has no
+    ``lm_head.weight`` in the checkpoint format and is re-tied to the freshly loaded embedding right after the load
+    (:meth:`WeightSyncExtension._fleetrl_retie_embeddings`). Any other layer's warning would mean a tensor really
+    went missing, so it is kept."""
+
+    def __init__(self, layers: set[str]):
+        super().__init__()
+        self.layers = layers
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in self.layers)
 
 
 class WeightSyncExtension:
@@ -25,9 +45,17 @@ class WeightSyncExtension:
                 # cast here, not in vLLM's loader, which warns once per tensor on every push when dtypes differ
                 yield name, tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
 
+        self._fleetrl_filter_reload_warnings()
         self.reload_weights(weights_iterator=counted())
         self._fleetrl_retie_embeddings()
         return count
+
+    def _fleetrl_filter_reload_warnings(self) -> None:
+        if getattr(self, "_fleetrl_reload_filter", None) is None:
+            tied = getattr(getattr(self.model_runner.get_model(), "config", None), "tie_word_embeddings", False)
+            self._fleetrl_reload_filter = ExpectedReloadWarnings({"RotaryEmbedding"} | ({"ParallelLMHead"} if tied
+                                                                                         else set()))
+            logging.getLogger(RELOAD_LOGGER).addFilter(self._fleetrl_reload_filter)
 
     def _fleetrl_retie_embeddings(self) -> None:
         """With tied input/output embeddings the checkpoint has no ``lm_head.weight``, and the layer-wise reload

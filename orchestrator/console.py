@@ -1,0 +1,189 @@
+"""What the driver shows on the console, and where everything else goes.
+
+By default the console holds fleetrl's own output: a start banner, a live progress bar of the steps (ETA, reward,
+accuracy, s/step; in a non-TTY such as a Ray job log or CI, one plain line per step instead), one line per eval,
+and the warnings that matter (an actor restarted, a step skipped, reward errors). Every actor's own output is in
+``<run.dir>/logs/<actor>.log`` (:mod:`workers.actor_logs`), the driver's full log in ``logs/driver.log``.
+``run.verbose`` (``fleetrl train --verbose``) shows everything on the console as well.
+
+An actor that fails is named in the error the user sees, with the path of its log (:func:`describe_failure`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from orchestrator.metrics import progress_line
+
+_ACTORS: dict[str, tuple[str, str]] = {}
+"""Ray actor id (hex) and actor name -> (actor name, its log file), for naming failed actors."""
+
+
+def log_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "logs"
+
+
+def remember_actor(handle, name: str, run_dir: str | Path) -> None:
+    _ACTORS[handle._actor_id.hex()] = _ACTORS[name] = (name, str(log_dir(run_dir) / f"{name}.log"))
+
+
+def actor_label(x) -> str | None:
+    """``"rollout-0 (its log: runs/x/logs/rollout-0.log)"`` for an actor's name, its handle, or the error Ray
+    raises when it died (which carries its id)."""
+    key = x if isinstance(x, str) else getattr(x, "actor_id", None) or (
+        x._actor_id.hex() if hasattr(x, "_actor_id") else None)
+    if key not in _ACTORS:
+        return None
+    name, path = _ACTORS[key]
+    return f"{name} (its log: {path})"
+
+
+class ActorFailed(RuntimeError):
+    """A fleetrl actor's method raised, or the actor died: the message names the actor and its log file."""
+
+
+def actor_failed(who, error: BaseException) -> ActorFailed:
+    """``who``: the actor's name or handle; ``error``: what Ray raised."""
+    return ActorFailed(f"{actor_label(who) or who} failed: {error_summary(error)}")
+
+
+def describe_failure(error: BaseException) -> str | None:
+    """One message naming the actor behind ``error`` (or an exception it caused) and its log file; None when no
+    known actor is involved."""
+    import ray
+
+    seen = error
+    while seen is not None:
+        if isinstance(seen, ActorFailed):
+            return str(seen)
+        if isinstance(seen, ray.exceptions.RayError) and (label := actor_label(seen)):
+            return f"{label} failed: {error_summary(seen)}"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def error_summary(error: BaseException) -> str:
+    """The exception an actor raised (for a Ray task error, its cause), on one line."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, BaseException):  # RayTaskError: the exception the actor raised
+        return f"{type(cause).__name__}: {str(cause).strip().splitlines()[0][:300] if str(cause).strip() else ''}"
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+class _ConsoleHandler(logging.Handler):
+    """Log records on the console without breaking the progress bar."""
+
+    def __init__(self, console: Console):
+        super().__init__()
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.console.print(self.format(record))
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
+
+
+class Console:
+    """The driver's console. ``live``: a progress bar redrawn in place (a TTY); otherwise plain lines."""
+
+    def __init__(self, stream=None, verbose: bool = False):
+        self.stream = stream or sys.stdout
+        self.live = self.stream.isatty()
+        self.verbose = verbose
+        self.bar = None
+
+    def print(self, line: str) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(line, file=self.stream)
+        self.stream.flush()
+
+    def setup_logging(self, run_dir: Path) -> Path:
+        """Everything the driver process logs goes to ``logs/driver.log``; the console gets fleetrl's warnings
+        (everything, with ``verbose``). Python warnings are logged too. Returns the driver log's path."""
+        logs = log_dir(run_dir)
+        logs.mkdir(parents=True, exist_ok=True)
+        path = logs / "driver.log"
+        root = logging.getLogger()
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        root.setLevel(logging.INFO)
+        to_file = logging.FileHandler(path)
+        to_file.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        root.addHandler(to_file)
+        to_console = _ConsoleHandler(self)
+        to_console.setFormatter(logging.Formatter("%(levelname)s %(message)s" if not self.verbose
+                                                  else "%(asctime)s %(name)s %(levelname)s %(message)s"))
+        if not self.verbose:
+            to_console.addFilter(lambda r: r.name.startswith("fleetrl") and r.levelno >= logging.WARNING)
+        root.addHandler(to_console)
+        logging.captureWarnings(True)
+        return path
+
+    def start(self, total_steps: int, start_step: int) -> None:
+        import shutil
+
+        from tqdm import tqdm
+
+        width = shutil.get_terminal_size((0, 0)).columns  # 0 in a pseudo-terminal with no size set
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", file=self.stream,
+                        dynamic_ncols=width > 0, ncols=None if width > 0 else 100, disable=not self.live,
+                        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
+
+    def step(self, m: dict) -> None:
+        """One step's metrics: a progress-bar update (live), or the step's line (plain)."""
+        if not self.live:
+            self.print(progress_line(m))
+            return
+        if "eval/accuracy" in m:
+            self.print(eval_line(m))
+        if "reward/mean" in m and self.bar is not None:
+            self.bar.set_postfix_str(_postfix(m), refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def eval_line(m: dict) -> str:
+    extra = "".join(f" {k.split('/', 1)[1]} {m[k]:.3f}" for k in sorted(m)
+                    if k.startswith("eval/") and k != "eval/accuracy" and isinstance(m[k], float))
+    return f"eval  step {m['step']:>4}  accuracy {m['eval/accuracy']:.3f}{extra}"
+
+
+def _postfix(m: dict) -> str:
+    return (f"reward {m.get('reward/mean', float('nan')):.3f} acc {m.get('train/accuracy', float('nan')):.3f}"
+            f" {m.get('time/step_s', float('nan')):.2f}s/step")
+
+
+def banner(cfg, learner_ranks: int, rollout: int, reward: int, dashboard: str | None) -> list[str]:
+    """The lines printed once the actors are up: roles and counts, and where to look."""
+    run = Path(cfg.run.dir)
+    ranks = f"{learner_ranks} rank{'s' if learner_ranks != 1 else ''}"
+    roles = [f"{rollout} rollout (vLLM)", f"{reward} reward",
+             f"learner {ranks} (DeepSpeed ZeRO-{cfg.learner.zero_stage})"]
+    if cfg.algorithm.uses_critic:
+        roles.append(f"critic {ranks}")
+    if cfg.reward.model.path:
+        roles.append(f"{cfg.reward.model.num_workers} reward-model")
+    lines = [
+        f"fleetrl  {cfg.algorithm.name}, {cfg.trainer.total_steps} steps, model {cfg.model.path}",
+        f"  actors       {', '.join(roles)}",
+        f"  run dir      {run}  (metrics.jsonl, progress.png, final/)",
+        f"  logs         {log_dir(run)}/<actor>.log, driver.log",
+    ]
+    if "tensorboard" in cfg.run.loggers:
+        lines.append(f"  tensorboard  tensorboard --logdir {run / 'tensorboard'}")
+    if "wandb" in cfg.run.loggers:
+        lines.append(f"  wandb        {run / 'wandb'} ({cfg.run.wandb_mode})")
+    if "mlflow" in cfg.run.loggers:
+        lines.append(f"  mlflow       {cfg.run.mlflow_tracking_uri or 'sqlite:///' + str(run / 'mlflow.db')}")
+    off = "off (a private local Ray instance; join a cluster with run.ray_address)"
+    lines.append(f"  dashboard    {dashboard or off}")
+    return lines
