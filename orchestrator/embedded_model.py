@@ -114,9 +114,17 @@ def init_model(out_dir: str | Path, seed: int = 0, target_accuracy: float = 0.2,
         step += 1
         if step % 25 == 0:
             acc = greedy_accuracy(model, tokenizer, ev_prompts, ev_answers)
-            log(f"init-model: step {step} loss {loss.item():.3f} greedy eval acc {acc:.3f}")
+            if step % 100 == 0 or acc >= target_accuracy:
+                log(f"init-model: step {step} loss {loss.item():.3f} greedy eval acc {acc:.3f}")
     model.eval()
     out_dir.mkdir(parents=True, exist_ok=True)
+    import os
+
+    from transformers.utils import logging as hf_logging
+
+    # save_pretrained imports DeepSpeed when it is installed: without a GPU it would warn about picking the CPU
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    hf_logging.disable_progress_bar()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

@@ -124,6 +124,10 @@ class RolloutWorker(LoggedActor):
         self.policy_version = version
         return {"tensors": loaded[0], "seconds": time.perf_counter() - t0, "version": version}
 
+    def engine_weights(self) -> dict:
+        """The engine's parameters under vLLM's names (see ``fleetrl_named_weights``), from its first worker."""
+        return self.llm.collective_rpc("fleetrl_named_weights")[0]
+
     def peak_rss_mb(self) -> float:
         """Peak resident memory of this actor's process, MB."""
         import resource

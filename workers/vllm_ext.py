@@ -50,6 +50,12 @@ class WeightSyncExtension:
         self._fleetrl_retie_embeddings()
         return count
 
+    def fleetrl_named_weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the engine's model under vLLM's names (fused ``qkv_proj`` / ``gate_up_proj``; a tied
+        ``lm_head.weight`` listed too), as CPU copies: what tests compare with the learner's weights after a push."""
+        model = self.model_runner.get_model()
+        return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters(remove_duplicate=False)}
+
     def _fleetrl_filter_reload_warnings(self) -> None:
         if getattr(self, "_fleetrl_reload_filter", None) is None:
             tied = getattr(getattr(self.model_runner.get_model(), "config", None), "tie_word_embeddings", False)

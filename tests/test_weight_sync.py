@@ -1,0 +1,102 @@
+"""After several training steps every engine holds exactly the learner's weights: each vLLM parameter (fused
+qkv / gate-up projections, the LM head, tied or not) is compared tensor by tensor with the learner's final policy,
+for both push paths (Ray object store, collective broadcast) and in ``one_step_off`` mode. Real Ray, vLLM and
+DeepSpeed; the trainer runs in-process so its actors can be asked for their weights afterwards."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import shared_ray_env
+from tests.test_e2e import ROOT
+
+DRIVER = textwrap.dedent("""
+    import json, sys
+    import ray, torch
+    from safetensors.torch import load_file
+    from orchestrator.config import load_config
+    from orchestrator.trainer import Trainer, init_ray
+
+    run_dir, overrides = sys.argv[1], json.loads(sys.argv[2])
+    cfg = load_config(None, [f"run.dir={run_dir}", "trainer.total_steps=3", "trainer.eval_every=0",
+                             "learner.lr=1e-3", *overrides])
+    trainer = Trainer(cfg)
+    init_ray(cfg)
+    rows = trainer.run()
+    learner = load_file(f"{run_dir}/final/model.safetensors")
+    tied = "lm_head.weight" not in learner
+    if tied:
+        learner["lm_head.weight"] = learner["model.embed_tokens.weight"]
+    fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def expected(name):
+        for packed, parts in fused.items():
+            if packed in name:
+                return torch.cat([learner[name.replace(packed, p)] for p in parts])
+        return learner[name]
+
+    out = {"tied": tied, "versions": [r["policy_version"] for r in rows], "engines": []}
+    for w in trainer.rollouts.workers:
+        engine = ray.get(w.engine_weights.remote())
+        diffs = {n: (t.float() - expected(n).float()).abs().max().item() for n, t in engine.items()}
+        version = ray.get(w.stats.remote())["policy_version"]
+        out["engines"].append({"params": len(engine), "max_diff": max(diffs.values()), "version": version,
+                               "worst": max(diffs, key=diffs.get), "covered": sorted(engine)})
+    base = load_file(f"{cfg.model.path}/model.safetensors")
+    out["moved"] = max((learner[k] - base[k]).abs().max().item() for k in base)
+    out["learner_tensors"] = len(learner)
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
+def untied_copy(tmp: Path) -> Path:
+    """The embedded model with its own output head (tie_word_embeddings=False, the head a perturbed copy)."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from orchestrator.config import EMBEDDED_MODEL_PATH
+
+    src = ROOT / EMBEDDED_MODEL_PATH
+    config = AutoConfig.from_pretrained(src)
+    config.tie_word_embeddings = False
+    tied = AutoModelForCausalLM.from_pretrained(src)
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(tied.state_dict(), strict=False)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(tied.model.embed_tokens.weight + 0.01 * torch.randn_like(model.lm_head.weight))
+    out = tmp / "untied"
+    model.save_pretrained(out)
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors", "generation_config.json"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("sync,tied,mode", [("object_store", True, "sync"), ("collective", True, "one_step_off"),
+                                            ("object_store", False, "one_step_off"), ("collective", False, "sync")])
+def test_every_engine_parameter_equals_the_learners_after_several_pushes(tmp_path, sync, tied, mode):
+    import os
+
+    overrides = [f"rollout.weight_sync={sync}", f"rollout.mode={mode}", "rollout.num_workers=2",
+                 "learner.num_ranks=2", "learner.zero_stage=2"]
+    if not tied:
+        overrides.append(f"model.path={untied_copy(tmp_path)}")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", **shared_ray_env())
+    r = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path / "run"), json.dumps(overrides)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, (r.stdout + r.stderr)[-4000:]
+    out = json.loads(lines[0][len("RESULT "):])
+    assert out["tied"] == tied and out["versions"] == [0, 1, 2, 3]
+    assert out["moved"] > 1e-4  # the policy really changed, so stale engine weights would show
+    for engine in out["engines"]:
+        assert engine["version"] == 3
+        assert engine["max_diff"] == 0.0, engine["worst"]  # fp32 end to end: bit-identical
+        assert "lm_head.weight" in engine["covered"] and any("qkv_proj" in n for n in engine["covered"])
