@@ -51,10 +51,23 @@ class WeightSyncExtension:
         return count
 
     def fleetrl_named_weights(self) -> dict[str, torch.Tensor]:
-        """Every parameter of the engine's model under vLLM's names (fused ``qkv_proj`` / ``gate_up_proj``; a tied
-        ``lm_head.weight`` listed too), as CPU copies: what tests compare with the learner's weights after a push."""
+        """The weights the engine computes with, under vLLM's names (fused ``qkv_proj`` / ``gate_up_proj``; a tied
+        ``lm_head.weight`` listed too), as CPU copies: what tests compare with the learner's weights after a push.
+        A linear layer's weight is read through the layer itself (its ``quant_method`` applied to an identity
+        matrix), because backends may repack it for their GEMM: vLLM's CPU backend keeps only the prepacked copy
+        and leaves ``.weight`` empty. Multiplying by the identity is exact in every float format."""
         model = self.model_runner.get_model()
-        return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters(remove_duplicate=False)}
+        out = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters(remove_duplicate=False)}
+        with torch.no_grad():
+            for name, module in model.named_modules():
+                method, weight = getattr(module, "quant_method", None), getattr(module, "weight", None)
+                width = getattr(module, "input_size_per_partition", None) or getattr(module, "embedding_dim", None)
+                if method is None or weight is None or not width or not hasattr(method, "apply"):
+                    continue
+                eye = torch.eye(width, dtype=weight.dtype if weight.numel() else module.params_dtype,
+                                device=weight.device)
+                out[f"{name}.weight"] = method.apply(module, eye).T.to("cpu", copy=True)
+        return out
 
     def _fleetrl_filter_reload_warnings(self) -> None:
         if getattr(self, "_fleetrl_reload_filter", None) is None:
