@@ -14,6 +14,9 @@ as its working dir, /tmp and /dev/shm (the only places it can write), under rlim
 - CPU time (``RLIMIT_CPU``), address space (``RLIMIT_AS``), processes + threads (``RLIMIT_NPROC``: applies
   because the uid is not root; every concurrent sandbox on the host gets its own uid, so a fork bomb cannot
   starve a neighbour), file size (``RLIMIT_FSIZE``), open files, no core dumps, ``no_new_privs``;
+- a seccomp filter failing the kernel keyring calls (``add_key``, ``request_key``, ``keyctl``): keyrings are kept
+  per uid, not per namespace, so a key stored by one program would otherwise be read by the next program of its
+  uid (the next case, or a later sandbox given the same uid);
 - a wall-clock limit per case and a cap on the bytes of stdout read; past either the case fails;
 - after every case ``kill(-1, SIGKILL)`` from PID 1 clears every process of the namespace (fork-bomb children
   that called ``setsid`` included), so nothing survives into the next case or past the sandbox.

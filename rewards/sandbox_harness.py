@@ -2,9 +2,10 @@
 PID, network, mount, IPC and UTS namespaces by ``unshare``, as ``python -I -S sandbox_harness.py``.
 
 It reads a job (marshal: ``program``, ``cases``, ``uid``, ``limits``) on stdin, builds a throwaway root and
-chroots into it, runs the program once per case as ``uid`` under rlimits, compares outputs itself and writes
-one status per case (marshal) on stdout. It imports only light built-in modules (it starts once per scored
-completion), and forks/execs the program itself rather than through ``subprocess``.
+chroots into it, runs the program once per case as ``uid`` under rlimits and a seccomp filter (no kernel
+keyrings), compares outputs itself and writes one status per case (marshal) on stdout. It imports only light
+built-in modules (it starts once per scored completion), and forks/execs the program itself rather than through
+``subprocess``.
 """
 
 import ctypes
@@ -17,7 +18,9 @@ import sys
 import time
 
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 2, 4, 8, 32, 4096, 16384
-_PR_SET_NO_NEW_PRIVS, _MNT_DETACH, _EINVAL = 38, 2, 22
+_PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, _MNT_DETACH, _EINVAL, _EPERM = 38, 22, 2, 2, 22, 1
+_KEY_SYSCALLS = {"x86_64": (0xC000003E, (248, 249, 250)), "aarch64": (0xC00000B7, (217, 218, 219))}
+"""Per machine: the seccomp audit arch, and the numbers of ``add_key``, ``request_key`` and ``keyctl``."""
 _SIGKILL = 9
 _NEW_ROOT = "/tmp"  # mount point of the new root's tmpfs (in the private mount namespace only)
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
@@ -35,6 +38,30 @@ def outputs_match(got: str, expected: str) -> bool:
         return [line.rstrip() for line in s.rstrip().splitlines()]
 
     return norm(got) == norm(expected)
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _no_keyrings_filter() -> _SockFprog:
+    """A seccomp filter that fails the kernel keyring calls with EPERM (as Docker's default profile does), and any
+    call of another ABI (x32, i386) that could reach them under other numbers. Keyrings are kept per uid, not per
+    namespace: a key one program stored in its user keyring would be read by the next program of that uid."""
+    if os.uname().machine not in _KEY_SYSCALLS:
+        raise SystemExit(f"no seccomp syscall table for {os.uname().machine!r}; the sandbox knows "
+                         f"{sorted(_KEY_SYSCALLS)}")
+    arch, numbers = _KEY_SYSCALLS[os.uname().machine]
+    ld, jeq, jge, ret, allow, deny = 0x20, 0x15, 0x35, 0x06, 0x7FFF0000, 0x00050000 | _EPERM
+    checks = [(jge, 0x40000000), *((jeq, nr) for nr in numbers)]  # x32 numbers have bit 30 set
+    code = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, deny), (ld, 0, 0, 0)]  # seccomp_data: nr at 0, arch at 4
+    code += [(op, len(checks) - i, 0, k) for i, (op, k) in enumerate(checks)]  # a match jumps to the deny
+    code += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
+    return _SockFprog(len(code), (_SockFilter * len(code))(*code))
 
 
 def _mount(source, target: str, fstype, flags: int, data=None) -> None:
@@ -96,7 +123,7 @@ def _fresh_scratch(uid: int, disk_mb: int) -> None:
                f"size={disk_mb}m,nr_inodes=4096,mode={mode},uid={owner},gid={owner}")
 
 
-def _exec_program(python: str, uid: int, limits: dict, stdin: int, stdout: int) -> None:
+def _exec_program(python: str, uid: int, limits: dict, stdin: int, stdout: int, seccomp: _SockFprog) -> None:
     """In the forked child: drop to ``uid`` with the limits, then exec the program. Never returns."""
     try:
         os.dup2(stdin, 0)
@@ -117,12 +144,14 @@ def _exec_program(python: str, uid: int, limits: dict, stdin: int, stdout: int) 
             resource.setrlimit(res, (soft, hard))
         if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # setuid binaries cannot give root back
             raise OSError("prctl(PR_SET_NO_NEW_PRIVS) failed")
+        if _libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(seccomp), 0, 0) != 0:
+            raise OSError("prctl(PR_SET_SECCOMP) failed")
         os.execve(python, [python, "-I", "-S", _PROGRAM], _ENV)
     finally:
         os._exit(127)
 
 
-def _run_case(case: dict, uid: int, limits: dict) -> str:
+def _run_case(case: dict, uid: int, limits: dict, seccomp: _SockFprog) -> str:
     """Status of one case (see rewards.sandbox.STATUSES); no process of the program survives it."""
     _fresh_scratch(uid, limits["disk_mb"])
     with open(_INPUT, "w", encoding="utf-8", errors="replace") as f:
@@ -131,7 +160,7 @@ def _run_case(case: dict, uid: int, limits: dict) -> str:
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
-        _exec_program(limits["python"], uid, limits, stdin, write_end)
+        _exec_program(limits["python"], uid, limits, stdin, write_end, seccomp)
     os.close(stdin)
     os.close(write_end)
     try:
@@ -194,13 +223,14 @@ def _kill_all() -> None:
 def main() -> None:
     job = marshal.loads(sys.stdin.buffer.read())
     _check_isolated()
+    seccomp = _no_keyrings_filter()
     limits, uid = job["limits"], job["uid"]
     limits["python"] = os.path.realpath(limits["python"])  # resolved outside: the chroot may lack the link
     src_mb = ((len(job["program"]) + max(len(c["input"]) for c in job["cases"])) * 4 >> 20) + 1  # UTF-8: <= 4 B
     _build_root(limits["python"], src_mb)
     with open(_PROGRAM, "w", encoding="utf-8", errors="replace") as f:
         f.write(job["program"])
-    statuses = [_run_case(case, uid, limits) for case in job["cases"]]
+    statuses = [_run_case(case, uid, limits, seccomp) for case in job["cases"]]
     sys.stdout.buffer.write(marshal.dumps(statuses))
 
 

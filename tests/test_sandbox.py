@@ -1,27 +1,37 @@
 """The ``code`` reward and its sandbox: scoring, program extraction, and hostile programs that must score 0
-without doing harm (checked on the host: no process left, no file written, no connection made, caller alive).
+without doing harm (checked on the host: no process left, no file written, no connection made, caller alive),
+then escape attempts that must all fail: reading the expected outputs or host files, reaching PID 1, setuid
+binaries, link tricks, keyrings, uid-slot exhaustion, multithreaded CPU burn.
 
 These run real sandboxes (namespaces + chroot), so they need root, like the CI; elsewhere they skip and
 :func:`test_non_root_fails_loudly` shows what the sandbox does instead.
 """
 
+import fcntl
+import json
 import os
+import resource
 import shutil
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from stat import S_ISGID, S_ISUID
 
 import pytest
 
+from rewards import sandbox
 from rewards.code import code_reward, extract_program
 from rewards.functions import load_reward_function
 from rewards.sandbox import (
     UID_BASE,
     UID_SLOTS,
+    SandboxError,
     SandboxLimits,
     SandboxUnavailable,
     check_sandbox,
@@ -278,3 +288,353 @@ def test_without_cap_sys_admin_fails_loudly():
     assert out.returncode != 0
     assert "SandboxUnavailable: the code sandbox cannot be created here" in out.stderr
     assert "Operation not permitted" in out.stderr and "CAP_SYS_ADMIN" in out.stderr
+
+
+# Escapes: a hostile program tries to leave the sandbox or to read what it must not; each attempt must fail.
+
+SECRET = "fleetrl-expected-output-5f0c1d7e9a2b4c6e8f1a3b5c7d9e0f2a"
+"""The expected output that :data:`HUNT` looks for. It is in this file, in a dataset file, in the caller's (so the
+harness's) environment and in the harness's memory; a program that finds it prints it, and then passes."""
+
+HUNT = program(r"""
+    import ctypes, os, re, sys
+    SECRET = re.compile(rb"fleetrl-expected-output-[0-9a-f]{32}")
+    PUBLIC = {"/proc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", sys.base_prefix}
+
+    def read(path):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a pipe behind /proc/*/fd must not block
+            try:
+                return os.read(fd, 1 << 20)
+            finally:
+                os.close(fd)
+        except OSError:
+            return b""
+
+    def memory(pid):
+        try:
+            with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+                for span, perms, *_ in map(str.split, maps):
+                    lo, hi = (int(a, 16) for a in span.split("-"))
+                    for at in range(lo, hi, 1 << 24) if perms[0] == "r" else ():
+                        try:
+                            mem.seek(at)
+                            yield mem.read(min(1 << 24, hi - at))
+                        except (OSError, ValueError, OverflowError):
+                            pass
+        except OSError:
+            pass
+
+    def visible_files():  # every file of the tree, the read-only system dirs aside
+        for root, dirs, names in os.walk("/"):
+            dirs[:] = [d for d in dirs if os.path.join(root, d) not in PUBLIC]
+            yield from (read(os.path.join(root, name)) for name in names)
+
+    def proc():  # every process of the namespace, this one included
+        for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+            yield from (read(f"/proc/{pid}/{what}") for what in ("environ", "cmdline"))
+            try:
+                yield from (read(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
+            except OSError:
+                pass
+            yield from memory(pid)
+
+    attack, *paths = sys.stdin.read().split()
+    if attack == "escape":  # the classic chroot escape, as root of a new user namespace if it can
+        ctypes.CDLL(None).unshare(0x10000000 | 0x20000)  # CLONE_NEWUSER | CLONE_NEWNS
+        try:
+            os.mkdir("jail")
+            os.chroot("jail")
+            for _ in range(64):
+                os.chdir("..")
+            os.chroot(".")
+        except OSError:
+            pass
+    blobs = {"files": map(read, paths), "escape": map(read, paths), "walk": visible_files(), "proc": proc()}[attack]
+    print(next((m.group().decode() for blob in blobs if (m := SECRET.search(blob))), "nothing found"))
+""")
+
+
+def test_program_cannot_read_the_expected_outputs(tmp_path, monkeypatch):
+    """The expected output is in the repository, a dataset file, the harness's environment and memory: a program
+    that reads any of them prints it and passes; every hunt must come back empty-handed ("wrong")."""
+    dataset = tmp_path / "tests.jsonl"
+    dataset.write_text(json.dumps({"input": "", "output": SECRET}) + "\n")
+    monkeypatch.setenv("FLEETRL_EXPECTED", SECRET)
+    paths = " ".join([str(Path(__file__).resolve()), str(dataset), os.path.relpath(__file__),  # the caller's cwd
+                      str(REPO / "tests" / "test_sandbox.py"), f"/proc/1/root{Path(__file__).resolve()}"])
+    attacks = [f"files {paths}", f"escape {paths}", "walk", "proc"]
+    statuses = run_tests(HUNT, [{"input": a, "output": SECRET} for a in attacks], SandboxLimits(timeout_s=5))
+    assert dict(zip([a.split()[0] for a in attacks], statuses)) == dict.fromkeys(["files", "escape", "walk", "proc"],
+                                                                                  "wrong")
+    # the hunts do find the secret where the program may read it: its own input (/src/input, its memory, its fd 0)
+    reachable = [f"files /src/input {SECRET}", f"walk {SECRET}", f"proc {SECRET}"]
+    assert run_tests(HUNT, [{"input": a, "output": SECRET} for a in reachable]) == ["pass"] * 3
+
+
+def test_host_and_repository_files_are_not_visible(tmp_path):
+    """Neither the repository, the caller's cwd and tmp dirs, root's home nor /etc/shadow can be listed or read."""
+    dataset = tmp_path / "tests.jsonl"
+    dataset.write_text("{}\n")
+    home = [p for p in Path.home().iterdir() if not Path(sys.base_prefix).is_relative_to(p)]  # not the interpreter
+    paths = [REPO, REPO / "rewards" / "sandbox.py", Path(__file__).resolve(), Path.cwd(), tmp_path, dataset,
+             "/etc/shadow", *home]
+    probe = program("""
+        import os, sys
+        seen = []
+        for path in sys.stdin.read().split():
+            try:
+                os.listdir(path) if os.path.isdir(path) else open(path, "rb").read(1)
+                seen.append(path)
+            except OSError:
+                pass
+        print(seen)
+    """)
+    assert run_tests(probe, [{"input": "\n".join(map(str, paths)), "output": "[]"}]) == ["pass"]
+
+
+PID_1_ATTACKS = ["signals", "mem", "environ", "maps", "auxv", "fd", "fd/0", "fd/1", "root", "cwd", "ptrace",
+                 "process_vm_readv"]
+
+
+def test_pid_1_cannot_be_read_traced_or_signalled():
+    """PID 1 is the harness (root, holding every expected output): the program, another uid, gets EPERM/EACCES for
+    every way in, and signals do not stop it (the cases after "signals" still run)."""
+    attack_pid_1 = program(r"""
+        import ctypes, os, signal, sys
+        libc = ctypes.CDLL(None, use_errno=True)
+        attack = sys.stdin.read()
+        try:
+            if attack == "signals":
+                sent = []
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGSTOP, 9):
+                    try:
+                        os.kill(1, sig)
+                        sent.append(sig)
+                    except PermissionError:
+                        pass
+                if not sent:
+                    raise PermissionError
+            elif attack == "ptrace":
+                if libc.ptrace(16, 1, 0, 0) != 0:  # PTRACE_ATTACH
+                    raise OSError(ctypes.get_errno(), "ptrace")
+            elif attack == "process_vm_readv":
+                buf = ctypes.create_string_buffer(8)
+                local, remote = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 8), (ctypes.c_void_p * 2)(0x400000, 8)
+                if libc.process_vm_readv(1, local, 1, remote, 1, 0) < 0:
+                    raise OSError(ctypes.get_errno(), "process_vm_readv")
+            elif attack in ("fd", "root", "cwd"):
+                os.listdir(f"/proc/1/{attack}")
+            else:
+                fd = os.open(f"/proc/1/{attack}", os.O_RDONLY | os.O_NONBLOCK)
+                try:
+                    os.read(fd, 64)
+                except BlockingIOError:
+                    pass
+            print("allowed")
+        except PermissionError:
+            print("denied")
+    """)
+    statuses = run_tests(attack_pid_1, [{"input": a, "output": "denied"} for a in PID_1_ATTACKS])
+    assert dict(zip(PID_1_ATTACKS, statuses)) == dict.fromkeys(PID_1_ATTACKS, "pass")
+
+
+def test_setuid_binaries_do_not_give_root():
+    """The system dirs are mounted nosuid and the program runs with no_new_privs: exec'ing any setuid/setgid file
+    (su, mount, passwd, ...) leaves its ids as they were. The dynamic loader shows the ids the kernel gave the
+    exec'd binary (LD_SHOW_AUXV), and stays silent for a privileged exec (AT_SECURE)."""
+    host = sorted(str(p) for d in ("/usr/bin", "/usr/sbin") for p in Path(d).iterdir()
+                  if p.is_file() and not p.is_symlink() and p.stat().st_mode & (S_ISUID | S_ISGID))
+    escalate = program(r"""
+        import os, stat, subprocess, sys
+        def setid_files():
+            for top in ("/bin", "/sbin", "/usr/bin", "/usr/sbin", "/usr/lib", "/usr/libexec", "/usr/local", "/etc"):
+                for root, dirs, names in os.walk(top):
+                    if root.count("/") - top.count("/") >= 2:
+                        dirs.clear()
+                    for path in (os.path.join(root, name) for name in names):
+                        mode = os.lstat(path).st_mode
+                        if stat.S_ISREG(mode) and mode & (stat.S_ISUID | stat.S_ISGID):
+                            yield os.path.realpath(path)
+        found, escalated = set(setid_files()), []
+        for path in sorted(found):
+            try:
+                out = subprocess.run([path, "--version"], env={"LD_SHOW_AUXV": "1"}, stdin=subprocess.DEVNULL,
+                                     capture_output=True, timeout=0.5).stdout
+            except subprocess.TimeoutExpired as e:  # unix_chkpwd stalls when misused; the loader spoke already
+                out = e.stdout or b""
+            except PermissionError:
+                continue  # not executable by others (dbus-daemon-launch-helper)
+            aux = dict(line.split(":", 1) for line in out.decode().splitlines() if line.startswith("AT_"))
+            ids = [aux.get(k, "?").strip() for k in ("AT_UID", "AT_EUID", "AT_GID", "AT_EGID", "AT_SECURE")]
+            if ids != [str(os.getuid())] * 2 + [str(os.getgid())] * 2 + ["0"]:
+                escalated.append((path, ids if aux else "secure exec: the loader kept quiet"))
+        with open("/proc/self/status") as f:
+            print(next(line for line in f if line.startswith("NoNewPrivs:")).strip())
+        print("not found:", sorted(set(sys.stdin.read().split()) - found))
+        print("escalated:", escalated, os.geteuid() == os.getuid())
+        with open("/proc/self/mountinfo") as f:  # dirs mounted without nosuid (the /dev nodes are files)
+            print("suid mounts:", [m[4] for m in map(str.split, f) if os.path.isdir(m[4]) and "nosuid" not in m[5]])
+    """)
+    expected = "NoNewPrivs:\t1\nnot found: []\nescalated: [] True\nsuid mounts: []"
+    assert run_tests(escalate, [{"input": "\n".join(host), "output": expected}], SandboxLimits(timeout_s=10)) == [
+        "pass"]
+
+
+def test_links_reach_no_host_or_read_only_file_and_die_with_the_case():
+    """Symlinks to host paths resolve inside the chroot, hard links cannot cross into the program's tmpfs mounts,
+    nothing read-only can be written through either, and a link planted in one case is gone in the next."""
+    host = [str(REPO / "rewards" / "sandbox.py"), str(Path(__file__).resolve()), "/etc/shadow"]
+    links = program(r"""
+        import os, sys
+        step, *host = sys.stdin.read().split()
+        leaks, tag = [], os.urandom(4).hex()
+        for planted in ("/work/planted", "/tmp/planted", "/dev/shm/planted"):
+            if os.path.lexists(planted):
+                leaks.append(f"{planted} survived")
+            else:
+                os.symlink("/src/prog.py", planted)  # for the next case to find
+        read_only = ["/src/prog.py", "/src/input", "/etc/passwd", sys.executable, "/proc/self/fd/0",
+                     "/proc/1/root/src/prog.py"]
+        for i, target in enumerate(host + read_only):
+            link = f"/tmp/s{tag}{i}"
+            os.symlink(target, link)
+            try:
+                open(link, "rb").close()
+                if target in host:
+                    leaks.append(f"read {target}")
+            except OSError:
+                pass
+            try:
+                with open(link, "ab") as f:
+                    f.write(b"#")
+                leaks.append(f"wrote {target}")
+            except OSError:
+                pass
+            try:
+                os.link(target, f"/work/h{tag}{i}")
+                leaks.append(f"hard-linked {target}")
+            except OSError:
+                pass
+        print(leaks)
+    """)
+    cases = [{"input": f"{step} {' '.join(host)}", "output": "[]"} for step in ("plant", "check", "check")]
+    assert run_tests(links, cases) == ["pass"] * 3
+
+
+@pytest.fixture
+def private_uid_slots(tmp_path, monkeypatch):
+    """``use(n)``: ``n`` uid slots of this test alone (lock files in tmp_path, uids apart from the real range), so
+    that sandboxes of other processes on the host neither take them nor share their uids. Returns the first uid."""
+    def use(n: int) -> int:
+        monkeypatch.setattr(sandbox, "SLOT_DIR", str(tmp_path / "slots"))
+        monkeypatch.setattr(sandbox, "UID_BASE", UID_BASE + 100)
+        monkeypatch.setattr(sandbox, "UID_SLOTS", n)
+        return UID_BASE + 100
+
+    return use
+
+
+def test_busy_uid_slots_raise_and_run_nothing(private_uid_slots, tmp_path):
+    base = private_uid_slots(2)
+    held = []
+    for slot in range(2):  # as two other workers' sandboxes would
+        os.makedirs(sandbox.SLOT_DIR, exist_ok=True)
+        held.append(os.open(f"{sandbox.SLOT_DIR}/{slot}.lock", os.O_RDWR | os.O_CREAT, 0o600))
+        fcntl.flock(held[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+    marker = tmp_path / "ran-unsandboxed"
+    probe = program(f"""
+        import os
+        try:
+            open({str(marker)!r}, "w").close()  # only outside a sandbox can this succeed
+        except OSError:
+            pass
+        print(os.getuid())
+    """)
+    cases = [{"input": "", "output": str(base + i)} for i in range(2)]
+    try:
+        children = children_of_this_process()
+        with pytest.raises(SandboxError, match="all 2 sandbox uids are busy"):
+            run_tests(probe, cases)
+        assert not marker.exists() and children_of_this_process() == children
+        os.close(held.pop())  # slot 1 frees up: the next sandbox gets exactly its uid
+        assert run_tests(probe, cases) == ["wrong", "pass"]
+        assert not marker.exists()
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def test_concurrent_sandboxes_never_share_a_uid(private_uid_slots):
+    base = private_uid_slots(3)
+    probe = "import os, time\ntime.sleep(0.3)\nprint(os.getuid())\n"  # each sandbox lives ~1 s: all overlap
+    cases = [{"input": "", "output": str(base + i)} for i in range(3)]  # the one that passes names the uid
+    start = threading.Barrier(4)
+
+    def call(_):
+        start.wait()
+        try:
+            return run_tests(probe, cases)
+        except SandboxError as e:
+            return e
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(call, range(4)))
+    uids = sorted(base + r.index("pass") for r in results if isinstance(r, list) and r.count("pass") == 1)
+    assert uids == [base, base + 1, base + 2]  # three sandboxes at once, three uids
+    assert [str(r) for r in results if isinstance(r, SandboxError)] == [
+        "all 3 sandbox uids are busy; lower the number of concurrent reward calls"]
+
+
+def test_busy_threads_are_stopped_in_time_and_the_cpu_limit_covers_them():
+    """Several threads spinning in parallel (hashing releases the GIL), SIGXCPU ignored: the case ends at its
+    wall-clock limit (or the CPU limit's SIGKILL), nothing survives, and the CPU-time limit, which the kernel counts
+    over all threads of the process, is in force while they run, so the sandbox burns at most that much CPU however
+    many cores the threads get (with 2 cores the wall clock stops them first)."""
+    spin = program("""
+        import hashlib, os, resource, signal, sys, threading
+        signal.signal(signal.SIGXCPU, signal.SIG_IGN)
+        def burn():
+            block = bytes(1 << 20)
+            while True:
+                hashlib.sha256(block).digest()
+        for _ in range(6):
+            threading.Thread(target=burn, daemon=True).start()
+        if sys.stdin.read() == "limit":
+            print(threading.active_count(), resource.getrlimit(resource.RLIMIT_CPU), flush=True)
+            os._exit(0)
+        threading.Event().wait()
+    """)
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.monotonic()
+    statuses = run_tests(spin, [{"input": "limit", "output": "7 (2, 3)"}, {"input": "spin", "output": ""}],
+                         SandboxLimits(timeout_s=1, memory_mb=1024))  # room for the threads' malloc arenas
+    elapsed = time.monotonic() - start
+    now = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
+    assert statuses[0] == "pass" and statuses[1] in ("timeout", "error")
+    assert elapsed < 1 + 4  # one case of 1 s plus start-up, on a busy 2-core machine
+    assert cpu < 3 + 1.5  # the hard CPU limit (3 s) plus the harness's and the interpreters' start-up
+    assert sandbox_processes() == []
+
+
+def test_kernel_keyrings_carry_nothing_to_the_next_case_or_sandbox(private_uid_slots):
+    """Keyrings belong to a uid, not to a namespace: a key a program stores in its user, user-session or persistent
+    keyring would be readable by the next program of that uid (the next case, a later completion's sandbox)."""
+    base = private_uid_slots(1)  # every sandbox of this test gets the same uid
+    keys = program(r"""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        ADD_KEY, KEYCTL = {"x86_64": (248, 250), "aarch64": (217, 219)}[os.uname().machine]
+        persistent = libc.syscall(KEYCTL, 22, -1, -2)  # KEYCTL_GET_PERSISTENT, linked to the process keyring
+        found = []
+        for ring in (-4, -5, persistent):  # KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING, persistent
+            if libc.syscall(KEYCTL, 10, ring, b"user", b"fleetrl-note", 0) > 0:  # KEYCTL_SEARCH
+                found.append(ring)
+            libc.syscall(ADD_KEY, b"user", b"fleetrl-note", b"from an earlier case", 20, ring)
+        print(os.getuid(), found)
+    """)
+    cases = [{"input": "", "output": f"{base} []"}] * 2
+    assert run_tests(keys, cases) == ["pass"] * 2
+    assert run_tests(keys, cases) == ["pass"] * 2
