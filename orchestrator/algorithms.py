@@ -1,16 +1,13 @@
 """The `algorithm` config sections: one pydantic class per algorithm, chosen once at load time by the discriminated
-union on ``name``. Each holds its loss settings and says how its advantages are assembled from the estimators in
-:mod:`learner.advantages`."""
+union on ``name``. Plain data (no torch): each algorithm's behaviour, its advantage assembly and the loss settings
+the learner gets, is one function in :mod:`learner.algorithms`, registered under the same name."""
 
 from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import Field
-from torch import Tensor
 
-from learner.advantages import AdvantageInputs, conditioned_rewards, get_estimator
-from learner.losses import kl_estimate
 from orchestrator.section import Section
 
 
@@ -40,22 +37,12 @@ class LossConfig(Section):
     """DAPO's overlong filtering: completions cut at `rollout.max_new_tokens` (finish reason `length`) get no
     loss (their rewards still count in their group's baseline)."""
 
-    def loss_kwargs(self) -> dict:
-        """Keyword arguments of learner.losses.policy_loss (the learner sees only these)."""
-        keys = ("clip_low", "clip_high", "dual_clip", "ratio_level", "aggregation", "kl_coef", "kl_kind",
-                "entropy_coef", "tis_cap")
-        return {k: getattr(self, k) for k in keys}
-
     uses_critic: ClassVar[bool] = False
     uses_step_rewards: ClassVar[bool] = False
 
     def needs_reference(self) -> bool:
         """Whether a loss or reward term reads the frozen reference policy's logprobs."""
         return self.kl_coef > 0
-
-    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
-        """Per-token ``(advantages, returns)``, each ``[B, T]`` (returns only for critic methods)."""
-        raise NotImplementedError
 
 
 class GRPOConfig(LossConfig):
@@ -68,9 +55,6 @@ class GRPOConfig(LossConfig):
     eps: float = Field(1e-6, gt=0.0)
     """Added to the std in the denominator."""
 
-    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
-        return get_estimator("grpo")(x.rewards, x.group_ids, x.mask, scale_by_std=self.scale_by_std, eps=self.eps), None
-
 
 class DrGRPOConfig(LossConfig):
     """Dr. GRPO: GRPO without the std division (and usually seq_mean_token_sum_norm aggregation)."""
@@ -78,18 +62,12 @@ class DrGRPOConfig(LossConfig):
     name: Literal["dr_grpo"] = "dr_grpo"
     """Selects this algorithm: `algorithm.name: dr_grpo`."""
 
-    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
-        return get_estimator("dr_grpo")(x.rewards, x.group_ids, x.mask), None
-
 
 class RLOOConfig(LossConfig):
     """RLOO: reward minus the mean reward of the other members of the group."""
 
     name: Literal["rloo"] = "rloo"
     """Selects this algorithm: `algorithm.name: rloo`."""
-
-    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
-        return get_estimator("rloo")(x.rewards, x.group_ids, x.mask), None
 
 
 class ReinforcePPConfig(LossConfig):
@@ -100,18 +78,12 @@ class ReinforcePPConfig(LossConfig):
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     """Discount of the return-to-go."""
 
-    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
-        return get_estimator("reinforce_pp")(x.outcome_token_rewards(), x.mask, gamma=self.gamma)[0], None
-
 
 class ReinforcePPBaselineConfig(LossConfig):
     """REINFORCE++-baseline: group mean subtracted, then whitened over the batch."""
 
     name: Literal["reinforce_pp_baseline"] = "reinforce_pp_baseline"
     """Selects this algorithm: `algorithm.name: reinforce_pp_baseline`."""
-
-    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
-        return get_estimator("reinforce_pp_baseline")(x.rewards, x.group_ids, x.mask), None
 
 
 class RewardCondition(Section):
@@ -135,19 +107,6 @@ class GDPOConfig(LossConfig):
     eps: float = Field(1e-6, gt=0.0)
     """Added to the std in both normalizations."""
 
-    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
-        import torch
-
-        idx = {n: i for i, n in enumerate(x.component_names)}
-        for name in [c.reward for c in self.conditions] + [c.if_reward for c in self.conditions] + list(
-                self.weights or {}):
-            if name not in idx:
-                raise KeyError(f"algorithm (gdpo): unknown reward component {name!r}; have {x.component_names}")
-        rules = [(idx[c.reward], idx[c.if_reward], c.threshold) for c in self.conditions]
-        comps = conditioned_rewards(x.components, rules)
-        w = torch.tensor([(self.weights or {}).get(n, 1.0) for n in x.component_names], dtype=comps.dtype)
-        return get_estimator("gdpo")(comps, x.group_ids, x.mask, weights=w, eps=self.eps), None
-
 
 class GRPOProcessConfig(LossConfig):
     """Process-supervised GRPO (DeepSeekMath): each completion is cut into steps, every step is scored by the
@@ -162,9 +121,6 @@ class GRPOProcessConfig(LossConfig):
     step."""
     eps: float = Field(1e-6, gt=0.0)
     """Added to the std in the denominator."""
-
-    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
-        return get_estimator("grpo_process")(x.step_rewards, x.step_ends, x.group_ids, x.mask, eps=self.eps), None
 
 
 class PPOConfig(LossConfig):
@@ -190,20 +146,7 @@ class PPOConfig(LossConfig):
     def needs_reference(self) -> bool:
         return self.kl_coef > 0 or self.kl_reward_coef > 0
 
-    def advantages(self, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
-        rewards = x.outcome_token_rewards()
-        if self.kl_reward_coef:
-            rewards = rewards - self.kl_reward_coef * kl_estimate(x.old_logprobs, x.ref_logprobs, "k1") * x.mask
-        return get_estimator("gae")(rewards, x.values, x.mask, self.gamma, self.lam, whiten=self.whiten_advantages)
-
-    def critic_loss_kwargs(self) -> dict:
-        return {"clip": self.value_clip, "aggregation": self.aggregation}
-
 
 ALGORITHMS = (GRPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, ReinforcePPBaselineConfig, GDPOConfig,
               GRPOProcessConfig, PPOConfig)
-AlgorithmConfig = Annotated[
-    Union[GRPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, ReinforcePPBaselineConfig, GDPOConfig,
-          GRPOProcessConfig, PPOConfig],
-    Field(discriminator="name"),
-]
+AlgorithmConfig = Annotated[Union[ALGORITHMS], Field(discriminator="name")]  # noqa: UP007 - a tuple of classes

@@ -12,6 +12,8 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from learner.algorithms import critic_loss_kwargs
+from learner.algorithms import loss_kwargs as policy_loss_kwargs
 from learner.batch import TrainBatch
 from learner.packing import Layout
 from learner.worker import LearnerWorker, ds_config
@@ -258,7 +260,7 @@ class LearnerGroup:
         self.role = role
         self.prefix = prefix = "critic" if role == "critic" else "learner"
         lr = cfg.algorithm.critic_lr if role == "critic" else lc.lr
-        loss_kwargs = cfg.algorithm.critic_loss_kwargs() if role == "critic" else cfg.algorithm.loss_kwargs()
+        loss_kwargs = critic_loss_kwargs(cfg.algorithm) if role == "critic" else policy_loss_kwargs(cfg.algorithm)
         self.world = lc.num_ranks
         bundle = {"CPU": lc.num_cpus, **({"GPU": lc.num_gpus} if lc.num_gpus else {}), **lc.resources}
         self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy="PACK")

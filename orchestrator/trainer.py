@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from learner.advantages import AdvantageInputs
+from learner.algorithms import advantage_inputs, assemble_advantages
 from learner.batch import TrainBatch, build_batch
 from orchestrator import checkpoint as ckpt
 from orchestrator.config import FleetConfig, dump_config
@@ -352,16 +352,11 @@ class Trainer:
         return step_rewards, step_ends
 
     def advantages(self, scored: list[ScoredSample], batch: TrainBatch, steps=None):
-        """Per-token (advantages, returns) from the configured algorithm (the only algorithm-specific step)."""
-        names = sorted({k for s in scored for k in s.components})
-        inputs = AdvantageInputs(
-            rewards=torch.tensor([s.reward for s in scored], dtype=torch.float32),
-            components=torch.tensor([[s.components.get(n, 0.0) for n in names] for s in scored]),
-            component_names=names, group_ids=_group_ids(scored), mask=batch.response_mask,
-            values=batch.old_values, old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs,
-            step_rewards=steps[0] if steps else None, step_ends=steps[1] if steps else None,
-        )
-        return self.cfg.algorithm.advantages(inputs)
+        """Per-token (advantages, returns) from the configured algorithm (:mod:`learner.algorithms`)."""
+        inputs = advantage_inputs([s.reward for s in scored], [s.components for s in scored],
+                                  [s.sample.prompt_uid for s in scored], batch.response_mask, values=batch.old_values,
+                                  old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs, steps=steps)
+        return assemble_advantages(self.cfg.algorithm, inputs)
 
     def push_weights(self) -> dict:
         """Learner -> every rollout engine, in place; the policy version advances."""
@@ -473,11 +468,6 @@ def samples_to_batch(samples: list, pad_id: int, mask_truncated: bool = False) -
     if mask_truncated:
         batch.response_mask[torch.tensor([x.finish_reason == "length" for x in samples])] = 0.0
     return batch
-
-
-def _group_ids(scored: list[ScoredSample]) -> torch.Tensor:
-    index: dict[str, int] = {}
-    return torch.tensor([index.setdefault(s.sample.prompt_uid, len(index)) for s in scored])
 
 
 def learner_metrics(m: dict) -> dict:

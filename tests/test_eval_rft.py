@@ -12,6 +12,7 @@ from math import comb
 import pytest
 import torch
 
+from learner.algorithms import loss_kwargs
 from learner.batch import response_logprobs
 from learner.losses import LossScale, policy_loss, sft_loss
 from orchestrator.config import ConfigError, load_config
@@ -95,7 +96,7 @@ def test_rft_step_is_the_sft_gradient_and_padding_rows_add_nothing():
 def test_rft_config_reduces_the_loss_to_sft():
     cfg = rft_config(load_config(None, ["algorithm.name=ppo", "algorithm.kl_coef=0.1", "learner.epochs=3"]), 4)
     assert cfg.algorithm.name == "grpo" and not cfg.algorithm.uses_critic
-    kw = cfg.algorithm.loss_kwargs()
+    kw = loss_kwargs(cfg.algorithm)
     assert {k: kw[k] for k in SFT_LOSS} == SFT_LOSS
     assert cfg.trainer.total_steps == cfg.rft.rounds == 4 and cfg.trainer.eval_every == 1
     assert cfg.learner.epochs == 1 and cfg.learner.num_minibatches == 1

@@ -1,0 +1,111 @@
+"""The driver-side advantage assembly of every algorithm (learner/algorithms.py), on small batches worked out by
+hand: prompt uid -> group id, reward components by name, PPO's outcome reward on the last response token and its
+KL-shaped per-token reward, GDPO's name mapping and conditions, process rewards aligned to the tokens that end each
+step. Pure torch, no Ray."""
+
+import pytest
+import torch
+
+from learner.advantages import get_estimator
+from learner.algorithms import ALGORITHMS, advantage_inputs, assemble_advantages, loss_kwargs
+from orchestrator import algorithms as algorithm_configs
+from orchestrator.config import load_config
+from orchestrator.trainer import _step_ends
+
+# 4 samples, 2 prompts interleaved (a resize or a restart can reorder nothing, but uids are what counts)
+UIDS = ["p7", "p3", "p7", "p3"]
+MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.float32)
+
+
+def algo(name: str, *overrides: str):
+    return load_config(None, [f"algorithm.name={name}", *overrides]).algorithm
+
+
+def test_every_algorithm_config_has_exactly_one_assembly_function():
+    names = {cls.model_fields["name"].default for cls in algorithm_configs.ALGORITHMS}
+    assert names == set(ALGORITHMS)
+
+
+def test_prompt_uids_become_group_ids_and_components_are_sorted_by_name():
+    x = advantage_inputs([1.0, 0.0, 0.5, 0.25], [{"math": 1.0, "format": 1.0}, {"math": 0.0}, {"format": 0.5},
+                                                 {"length": -0.5}], UIDS, MASK)
+    assert x.group_ids.tolist() == [0, 1, 0, 1]
+    assert x.component_names == ["format", "length", "math"]
+    assert x.components.tolist() == [[1.0, 0.0, 1.0], [0.0, 0.0, 0.0], [0.5, 0.0, 0.0], [0.0, -0.5, 0.0]]
+
+
+def test_grpo_groups_by_prompt_uid_not_by_position():
+    x = advantage_inputs([1.0, 0.0, 0.0, 0.0], [{}] * 4, UIDS, MASK)
+    adv, returns = assemble_advantages(algo("grpo"), x)
+    # group p7 = samples 0, 2 (rewards 1, 0): +-0.5 / std 0.7071; group p3 = samples 1, 3 (both 0): no signal
+    expected = torch.tensor([1.0, 0.0, -1.0, 0.0]) * 0.5 / (0.5 ** 0.5 + 1e-6)
+    assert returns is None
+    assert torch.allclose(adv, expected[:, None] * MASK, atol=1e-6)
+
+
+def test_ppo_puts_the_outcome_reward_on_the_last_response_token():
+    x = advantage_inputs([2.0, 0.0, 1.0, -1.0], [{}] * 4, UIDS, MASK, values=torch.zeros(4, 4))
+    adv, returns = assemble_advantages(algo("ppo", "algorithm.gamma=1.0", "algorithm.lam=1.0",
+                                            "algorithm.whiten_advantages=false"), x)
+    # gamma = lam = 1, V = 0: every valid token's return is the sequence's outcome reward; padding gets 0
+    assert torch.equal(returns, torch.tensor([2.0, 0.0, 1.0, -1.0])[:, None] * MASK)
+    assert torch.equal(adv, returns)
+    # with gamma < 1 the reward sits on the last token: earlier tokens see it discounted once per step
+    adv, _ = assemble_advantages(algo("ppo", "algorithm.gamma=0.5", "algorithm.lam=1.0",
+                                      "algorithm.whiten_advantages=false"), x)
+    assert adv[0].tolist() == [0.5, 1.0, 2.0, 0.0] and adv[2].tolist() == [0.125, 0.25, 0.5, 1.0]
+
+
+def test_ppo_kl_shaped_reward_is_charged_on_every_response_token():
+    old = torch.tensor([[-1.0, -2.0, -0.5, 9.0]]).repeat(4, 1)
+    ref = torch.tensor([[-1.5, -1.0, -0.5, -9.0]]).repeat(4, 1)
+    x = advantage_inputs([1.0, 1.0, 1.0, 1.0], [{}] * 4, UIDS, MASK, values=torch.zeros(4, 4), old_logprobs=old,
+                         ref_logprobs=ref)
+    cfg = algo("ppo", "algorithm.gamma=1.0", "algorithm.lam=1.0", "algorithm.whiten_advantages=false",
+               "algorithm.kl_reward_coef=0.1")
+    _, returns = assemble_advantages(cfg, x)
+    # k1 = old - ref per token: 0.5, -1.0, 0.0 on sample 0's three tokens; reward = -0.1 * k1, +1 on the last
+    token_rewards = torch.tensor([-0.05, 0.1, 1.0])
+    assert torch.allclose(returns[0, :3], token_rewards.flip(0).cumsum(0).flip(0), atol=1e-6)
+    assert returns[0, 3] == 0  # padding: no KL charge even where the logprobs differ wildly
+
+
+def test_gdpo_maps_weights_and_conditions_by_component_name():
+    comps = [{"math": 1.0, "format": 1.0}, {"math": 1.0, "format": 0.0}, {"math": 0.0, "format": 1.0},
+             {"math": 1.0, "format": 1.0}]
+    x = advantage_inputs([0.0] * 4, comps, UIDS, MASK)
+    cfg = algo("gdpo", "algorithm.weights={math: 2.0, format: 0.5}",
+               "algorithm.conditions=[{reward: format, if_reward: math, threshold: 1.0}]")
+    adv, _ = assemble_advantages(cfg, x)
+    # columns are (format, math); format only counts where math >= 1, so sample 2 loses its format reward
+    conditioned = torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0], [1.0, 1.0]])
+    expected = get_estimator("gdpo")(conditioned, x.group_ids, MASK, weights=torch.tensor([0.5, 2.0]), eps=1e-6)
+    assert torch.allclose(adv, expected, atol=1e-6)
+    swapped = get_estimator("gdpo")(conditioned, x.group_ids, MASK, weights=torch.tensor([2.0, 0.5]), eps=1e-6)
+    assert not torch.allclose(adv, swapped)  # the weights really follow the names, not positions
+    unconditioned = get_estimator("gdpo")(x.components, x.group_ids, MASK, weights=torch.tensor([0.5, 2.0]))
+    assert not torch.allclose(adv, unconditioned)  # and the condition changed the result
+    with pytest.raises(KeyError, match="unknown reward component 'correct'.*'format', 'math'"):
+        assemble_advantages(algo("gdpo", "algorithm.weights={correct: 1.0}"), x)
+
+
+def test_process_rewards_land_on_the_tokens_that_end_each_step():
+    texts = ["Add", " 2\n", "then", " 3\n", "= 5"]
+    ends = _step_ends(texts, "\n")
+    assert ends == [1, 3, 4]  # the two newline tokens, and the last token
+    assert _step_ends(["a", "b\n"], "\n") == [1] and _step_ends(["a", "b"], "") == [0, 1]
+    mask = torch.ones(2, 5)
+    step_rewards = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    step_ends = torch.tensor([ends, [4, -1, -1]])
+    x = advantage_inputs([0.0, 0.0], [{}, {}], ["p", "p"], mask, steps=(step_rewards, step_ends))
+    adv, _ = assemble_advantages(algo("grpo_process"), x)
+    # the group's 4 present step rewards {1, 0, 1, 0}: mean 0.5, std 0.577
+    n = (torch.tensor([1.0, 0.0, 1.0, 0.0]) - 0.5) / (torch.tensor([1.0, 0.0, 1.0, 0.0]).std() + 1e-6)
+    # token t sums the normalized rewards of the steps ending at or after t
+    assert torch.allclose(adv[0], torch.stack([n[0] + n[1] + n[2]] * 2 + [n[1] + n[2]] * 2 + [n[2]]), atol=1e-5)
+    assert torch.allclose(adv[1], n[3].repeat(5), atol=1e-5)
+
+
+def test_loss_settings_come_from_the_config_section():
+    kw = loss_kwargs(algo("grpo", "algorithm.clip_high=0.28", "algorithm.kl_coef=0.05"))
+    assert kw["clip_high"] == 0.28 and kw["kl_coef"] == 0.05 and set(kw) >= {"aggregation", "tis_cap"}
