@@ -18,16 +18,14 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import EMBEDDED_MODEL_PATH
+from orchestrator.controller import METRICS as CONTROLLER_METRICS
 from orchestrator.embedded_model import init_model
 from rewards.tasks import ArithmeticTask
 from tests.conftest import free_ports, node_ports_args, stop_ray_processes
 from tests.test_e2e import ROOT
 
 BIN = Path(sys.executable).parent
-METRICS = ["fleetrl_step", "fleetrl_reward_mean", "fleetrl_eval_accuracy", "fleetrl_step_seconds",
-           "fleetrl_generated_tokens_total", "fleetrl_tokens_per_second", "fleetrl_policy_version",
-           "fleetrl_weight_sync_seconds", "fleetrl_rollout_workers", "fleetrl_reward_errors_total",
-           "fleetrl_rollout_queue_depth"]
+METRICS = list(CONTROLLER_METRICS)  # every metric the controller exports must reach Prometheus
 MAX_STEPS, PROMPTS, G = 400, 8, 4  # the test ends the run with `fleetrl stop` long before MAX_STEPS
 
 
