@@ -16,7 +16,7 @@ from dataclasses import replace
 from learner.batch import TrainBatch
 from learner.forward import HiddenStatesLM, critic_values, policy_logprobs
 from learner.packing import Layout, filler, micro_batches
-from workers.actor_logs import LoggedActor
+from workers.actor_logs import LoggedActor, peak_rss_mb
 
 
 def _set_dist_env(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
@@ -314,12 +314,6 @@ class LearnerWorker(LoggedActor):
     def ping(self) -> int:
         return self.rank
 
-    def peak_rss_mb(self) -> float:
-        """Peak resident memory of this actor's process, MB."""
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
 
 def _disable_dropout(model) -> None:
     """No dropout in training (as TRL's ``disable_dropout``): dropout layers and HF attention's dropout rate."""
@@ -334,12 +328,10 @@ def _disable_dropout(model) -> None:
 
 def _memory_metrics(role: str) -> dict:
     """This rank's resident memory now and its peak so far, MB (``_max``: the group reports the largest rank)."""
-    import resource
-
     import psutil
 
     return {f"memory/{role}_rss_mb_max": psutil.Process().memory_info().rss / 2**20,
-            f"memory/{role}_peak_rss_mb_max": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            f"memory/{role}_peak_rss_mb_max": peak_rss_mb()}
 
 
 def _load_checkpoints_weights_only(engine) -> None:

@@ -87,12 +87,6 @@ class RewardModelWorker(LoggedActor):
         self.scored += len(pairs)
         return out
 
-    def peak_rss_mb(self) -> float:
-        """Peak resident memory of this actor's process, MB."""
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
 
 def _sample_completions(policy, tokenizer, prompts: list[str], max_new_tokens: int, generator) -> list[str]:
     """Temperature-1 samples from a causal LM by repeated full forwards (tiny models only)."""

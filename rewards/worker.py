@@ -87,12 +87,6 @@ class RewardWorker(LoggedActor):
             self._logged = True
         return {name: 0.0}, False
 
-    def peak_rss_mb(self) -> float:
-        """Peak resident memory of this actor's process, MB."""
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
     def stats(self) -> dict:
         import os
 

@@ -31,8 +31,8 @@ def log_path(log_dir: str, name: str) -> str:
 
 
 class LoggedActor:
-    """Base of the actor classes: ``_start_logging()`` in ``__init__``, and ``repr`` = the actor's Ray name, which
-    Ray uses in console prefixes and in the errors the driver sees."""
+    """Base of fleetrl's actor classes: ``_start_logging()`` in ``__init__``; ``repr`` = the actor's Ray name, which
+    Ray uses in console prefixes; ``peak_rss_mb`` for the run summary."""
 
     name = ""
 
@@ -42,6 +42,17 @@ class LoggedActor:
 
     def __repr__(self) -> str:
         return self.name or type(self).__name__
+
+    def peak_rss_mb(self) -> float:
+        """Peak resident memory of this actor's process, MB."""
+        return peak_rss_mb()
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, MB (``ru_maxrss``)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def capture_output(name: str) -> str | None:

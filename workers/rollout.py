@@ -128,12 +128,6 @@ class RolloutWorker(LoggedActor):
         """The engine's parameters under vLLM's names (see ``fleetrl_named_weights``), from its first worker."""
         return self.llm.collective_rpc("fleetrl_named_weights")[0]
 
-    def peak_rss_mb(self) -> float:
-        """Peak resident memory of this actor's process, MB."""
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
     def stats(self) -> dict:
         return {"policy_version": self.policy_version, "generated_tokens": self.generated_tokens, "pid": os.getpid()}
 
