@@ -134,7 +134,7 @@ class LearnerWorker(LoggedActor):
         for epoch in range(epochs):
             for i, shard in enumerate(minibatches):
                 micro = self._micro(shard, micro_batch_size)
-                skipped = False
+                skipped, zero0_norm = False, None
                 for j, mb in enumerate(micro):
                     # the micro-batch count varies with a token budget: say where the optimizer step falls
                     self.engine.set_gradient_accumulation_boundary(j == len(micro) - 1)
@@ -143,13 +143,17 @@ class LearnerWorker(LoggedActor):
                     # over ranks, so undo that division to keep the sum (split invariance).
                     self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
                     if j == len(micro) - 1 and self.zero_stage == 0:
+                        zero0_norm = self._grad_norm()
                         skipped = self._drop_nonfinite_grads()
                     self.engine.step()
                     if skipped and self.engine.lr_scheduler is None:  # a scheduler already set the next LR
                         self._restore_lr()
                     for k, v in metrics.items():
                         sums[k] = max(sums[k], float(v)) if k.endswith("_max") else sums[k] + float(v)
-                norm = float(self.engine.get_global_grad_norm() or 0.0)
+                # ZeRO 1-3 (and DeepSpeed's bf16/fp16 optimizers) keep the norm they clipped with; ZeRO-0 in fp32
+                # clips with torch's norm and keeps none (get_global_grad_norm() is None): use our own
+                norm = self.engine.get_global_grad_norm()
+                norm = float((zero0_norm or 0.0) if norm is None else norm)
                 # ZeRO 1-3 skip a step whose global grad norm is NaN/Inf themselves (and report it as inf)
                 skipped = skipped or not math.isfinite(norm)
                 sums[f"{self.role}/grad_norm"] += (norm if math.isfinite(norm) else 0.0) / self.world_size
@@ -160,6 +164,14 @@ class LearnerWorker(LoggedActor):
         out[f"time/{self.role}_compute_s"] = (time.perf_counter() - t0) / self.world_size
         out.update(_memory_metrics(self.role))
         return out
+
+    def _grad_norm(self) -> float:
+        """ZeRO-0: the global 2-norm of the gradients before clipping, as DeepSpeed's clip computes it. After the
+        boundary all-reduce every rank holds the full, identical gradients."""
+        import torch
+
+        norms = [p.grad.detach().float().norm() for p in self.hf_model.parameters() if p.grad is not None]
+        return float(torch.stack(norms).norm()) if norms else 0.0
 
     def _drop_nonfinite_grads(self) -> bool:
         """ZeRO-0: after the boundary all-reduce every rank holds the same gradients. If any is NaN/Inf, zero
