@@ -9,8 +9,9 @@
   prefixes application metrics with ``ray_``).
 - **Graceful stop.** ``fleetrl stop`` calls :meth:`FleetController.request_stop`; the driver finishes the step it
   is in, evaluates, writes the final policy and exits 0.
-- **Status.** :meth:`FleetController.status` returns the latest step's numbers (``fleetrl status`` also reads them
-  from the job's log lines when it cannot reach the actor).
+- **Status.** :meth:`FleetController.status` returns the latest step's numbers while the run goes (``fleetrl scale``
+  and ``fleetrl stop`` poll it); ``fleetrl status`` reads the driver's status record (:mod:`orchestrator.run_status`),
+  which outlives the run.
 """
 
 from __future__ import annotations

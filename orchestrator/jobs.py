@@ -9,7 +9,6 @@ plain form works the same: ``ray job submit --working-dir . -- python -m orchest
 
 from __future__ import annotations
 
-import re
 import shlex
 import time
 from pathlib import Path
@@ -19,9 +18,6 @@ from orchestrator.config import ConfigError, load_config
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 # never uploaded with the working dir (Ray also skips what .gitignore lists)
 EXCLUDES = ["runs/", ".venv/", ".git/", "**/checkpoints/", "**/__pycache__/", "bench/results/", "*.safetensors"]
-_PAIR = re.compile(r"([a-z_/]+)\s+([-+]?(?:\d+(?:\.\d+)?(?:e[-+]?\d+)?|nan))")
-_KEYS = {"step": "step", "reward": "reward", "acc": "train_accuracy", "eval": "eval_accuracy",
-         "step_time": "step_seconds", "tok/s": "tokens_per_second"}
 
 
 def auth_token() -> str | None:
@@ -80,28 +76,24 @@ def latest_job(client) -> str:
 
 
 def job_status(job_id: str | None, address: str | None) -> dict:
-    """State of a fleetrl job and its latest step (parsed from the driver's progress lines in the job log)."""
+    """The job's state (from the job API at ``address``) and its run's latest numbers, as the driver stated them
+    (:mod:`orchestrator.run_status`, read from the cluster's key-value store: this joins the cluster as a Ray
+    client, ``RAY_ADDRESS`` or auto, as `fleetrl scale` does)."""
     client = job_client(address)
     job_id = job_id or latest_job(client)
     info = client.get_job_info(job_id)
     out = {"job": job_id, "status": str(info.status.value if hasattr(info.status, "value") else info.status),
            "message": info.message or ""}
-    out.update(parse_progress(client.get_job_logs(job_id)))
+    run = (info.metadata or {}).get("fleetrl_run")
+    if run:
+        from orchestrator.run_status import read_status
+
+        _connect(None)
+        found = read_status(run)
+        if found:
+            out.update({k: v for k, v in found.items() if k not in ("run", "started")})
+            out["run_state"] = out.pop("state")
     return out
-
-
-def parse_progress(log: str) -> dict:
-    """Latest step, reward, train/eval accuracy and throughput from the driver's progress lines
-    (``orchestrator.metrics.progress_line``)."""
-    found: dict = {}
-    for line in log.splitlines():
-        line = line.strip()
-        if re.match(r"step\s+\d+ v\d+", line):
-            pairs = dict(_PAIR.findall(line))
-            found.update({_KEYS[k]: float(v) for k, v in pairs.items() if k in _KEYS})
-    if "step" in found:
-        found["step"] = int(found["step"])
-    return found
 
 
 def format_status(s: dict) -> str:
@@ -139,16 +131,26 @@ def stop(run: str | None, address: str | None, wait_s: float) -> dict:
     return {"stopped": ended, "step": status.get("step")}
 
 
-def _controller(run: str | None, address: str | None):
+def _connect(address: str | None) -> None:
+    """Join the cluster as a Ray client: ``address`` (a GCS address), else RAY_ADDRESS when it is one, else auto."""
     import os
 
     if auth_token() and "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "token"  # read when ray is imported
     import ray
 
+    if ray.is_initialized():
+        return
+    env = os.environ.get("RAY_ADDRESS", "")
+    gcs = address if address and not address.startswith("http") else (env if env and not env.startswith("http")
+                                                                       else "auto")
+    ray.init(address=gcs, logging_level="ERROR", log_to_driver=False)
+
+
+def _controller(run: str | None, address: str | None):
     from orchestrator.controller import get_controller
 
-    ray.init(address=address if address and not address.startswith("http") else "auto", logging_level="ERROR")
+    _connect(address)
     return get_controller(run)
 
 

@@ -26,6 +26,7 @@ from orchestrator.console import Console, banner
 from orchestrator.controller import start_controller
 from orchestrator.metrics import MetricsLogger, PhaseTimer
 from orchestrator.pools import LearnerDied, LearnerGroup, RewardPool, RolloutPool, gather_metrics, get_ranks
+from orchestrator.run_status import RunStatus
 from rewards.functions import is_correct
 from rewards.tasks import make_task_from_config
 from workers.prompts import pad_token_id
@@ -58,6 +59,7 @@ class Trainer:
         (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
         if self.resume_from:
             self.start_step = ckpt.load_state(self.resume_from)["step"]
+        self.status = RunStatus(self.run_dir)
         self.metrics = MetricsLogger(self.run_dir, self.cfg.run.plot_every, keep_before=self.start_step,
                                      loggers=self.cfg.run.loggers, params=self.cfg.model_dump(mode="json"))
         max_len = max_model_len(self.cfg)
@@ -109,16 +111,21 @@ class Trainer:
         return time.perf_counter() - t0
 
     def run(self) -> list[dict]:
+        """The loop; a run that fails says so in its status (``fleetrl status``)."""
         try:
-            return self._run()
-        except LearnerDied as e:
+            return self._loop()
+        except BaseException as e:
+            if getattr(self, "status", None) is not None:
+                self.status.finish("failed")
+            if not isinstance(e, LearnerDied):
+                raise
             found = ckpt.complete_checkpoints(self.run_dir)
             hint = (f"resume with `fleetrl train ... --resume auto` (newest complete checkpoint: {found[-1]})"
                     if found else "no checkpoint was written yet, so it cannot resume: restart it "
                     "(trainer.save_every makes runs resumable)")
             raise LearnerDied(f"{e}. The run stopped; {hint}") from e
 
-    def _run(self) -> list[dict]:
+    def _loop(self) -> list[dict]:
         self.start()
         total, budget = self.cfg.trainer.total_steps, self.cfg.trainer.time_budget_s
         t0 = time.perf_counter()
@@ -137,6 +144,7 @@ class Trainer:
                     metrics["time/checkpoint_s"] = self.save_checkpoint(step + 1)
             self.metrics.log(metrics)
             self.controller.report.remote(metrics)
+            self.status.step(metrics)
             self._warn(metrics)
             self.console.step(metrics)
             if last:
@@ -178,6 +186,7 @@ class Trainer:
                    "algorithm": self.cfg.algorithm.name, "eval_accuracy_first": evals[0] if evals else None,
                    "eval_accuracy_last": evals[-1] if evals else None, "peak_rss_mb": self.peak_rss()}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.status.finish("finished")
         log.info("final policy written to %s; summary %s", final, summary)
         first, last = summary["eval_accuracy_first"], summary["eval_accuracy_last"]
         evals = f"; held-out accuracy {first:.3f} -> {last:.3f}" if first is not None else ""

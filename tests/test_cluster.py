@@ -128,8 +128,9 @@ def test_two_node_cluster_submit_scale_status_metrics(cluster, tmp_path):
     while status.get("status") not in ("SUCCEEDED", "FAILED", "STOPPED"):
         assert time.monotonic() < deadline, status
         time.sleep(2)
-        status = json.loads(_fleetrl(env, "status", job, "--address", cluster["jobs"], "--json"))
+        status = json.loads(_fleetrl(scale_env, "status", job, "--address", cluster["jobs"], "--json"))
     assert status["status"] == "SUCCEEDED", status
+    assert status["run_state"] == "finished" and status["policy_version"] == status["step"], status
     last = status["step"]
     assert shrunk + 2 < last < MAX_STEPS and 0 <= status["eval_accuracy"] <= 1
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == last

@@ -161,3 +161,17 @@ def test_console_plain_lines_without_a_tty_and_a_progress_bar_with_one():
     assert "3/3" in out and "reward 0.750" in out and "s/step" in out  # the bar, redrawn with \r
     assert eval_line(ROWS[0]) in out and eval_line(ROWS[2]) in out
     assert "step    1 v1" not in out  # no per-step lines in live mode
+
+
+def test_the_run_status_file_holds_the_latest_numbers_and_the_state(tmp_path):
+    from orchestrator.run_status import RunStatus
+
+    status = RunStatus(tmp_path)
+    for row in ROWS[:2]:
+        status.step(row)
+    saved = json.loads((tmp_path / "status.json").read_text())
+    assert saved["step"] == 1 and saved["reward"] == 0.5 and saved["state"] == "running"
+    assert saved["eval_accuracy"] == 0.3  # the last eval's, kept across steps without one
+    status.finish("finished")
+    assert json.loads((tmp_path / "status.json").read_text())["state"] == "finished"
+    assert not (tmp_path / "status.json.tmp").exists()
