@@ -130,13 +130,15 @@ class RolloutPool(ActorPool):
 
     role = "rollout"
 
-    def __init__(self, cfg: FleetConfig, max_model_len: int):
+    def __init__(self, cfg: FleetConfig, max_model_len: int, current_weights=None):
+        """``current_weights``: a callable giving the learner's current weights as bucket ObjectRefs (see
+        :meth:`LearnerGroup.weight_buckets`), for engines that join a pool whose pushes keep no buckets."""
         self.cfg = cfg
         self.max_model_len = max_model_len
         self.version = 0
-        self.buckets: list = []  # the last pushed weights (kept alive for replacements)
-        self.fetch_buckets = None  # collective pushes: callable returning the current weights as buckets
-        self.membership = 0  # bumped whenever a worker is replaced or added
+        self.buckets: list = []  # the last object-store push (a new engine loads exactly that version)
+        self.current_weights = current_weights
+        self.membership = 0  # bumped whenever a worker is replaced or added (a weight group must be re-formed)
         super().__init__(cfg.rollout.num_workers, cfg.rollout.max_restarts)
         ray.get([w.stats.remote() for w in self.workers])
 
@@ -155,9 +157,9 @@ class RolloutPool(ActorPool):
 
     def _after_restart(self, worker) -> None:
         """A new or replacement engine gets the current weights through the object store before any prompt
-        (with collective pushes the pool keeps no buckets: ``fetch_buckets`` asks the learner for them)."""
+        (with collective pushes the pool keeps no buckets: ``current_weights`` asks the learner for them)."""
         self.membership += 1  # a collective weight group must be rebuilt
-        buckets = self.buckets or (self.fetch_buckets() if self.fetch_buckets and self.version else [])
+        buckets = self.buckets or (self.current_weights() if self.current_weights and self.version else [])
         if buckets:
             ray.get(worker.load_weights.remote(buckets, self.version))
 
@@ -328,14 +330,14 @@ class LearnerGroup:
         outs = self._get([w.weight_buckets.remote(self.cfg.rollout.weight_bucket_mb) for w in self.ranks])
         return outs[0]
 
-    def open_weight_group(self, engines: int, workers_per_engine: int, backend: str) -> tuple[list, int]:
-        """Start learner rank 0's side of a weight group for ``engines`` engines; returns (its ObjectRefs, and
-        the group size) after handing out the rendezvous address via :attr:`weight_endpoint`."""
+    def open_weight_group(self, engines: int, workers_per_engine: int, backend: str) -> tuple[list, int, tuple]:
+        """Start learner rank 0's side of a weight group for ``engines`` engines; returns its ObjectRefs, the group
+        size and the rendezvous address (host, port) the engines join at."""
         from workers.nccl_sync import group_world_size
 
         world = group_world_size(engines, workers_per_engine)
-        self.weight_endpoint = self._get([self.ranks[0].weight_endpoint.remote()])[0]
-        return [self.ranks[0].join_weight_group.remote(*self.weight_endpoint, world, backend)], world
+        endpoint = self._get([self.ranks[0].weight_endpoint.remote()])[0]
+        return [self.ranks[0].join_weight_group.remote(*endpoint, world, backend)], world, tuple(endpoint)
 
     def weight_plans(self, bucket_mb: float) -> list:
         from workers.nccl_sync import plan_buckets

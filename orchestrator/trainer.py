@@ -25,8 +25,9 @@ from orchestrator.config import FleetConfig, dump_config
 from orchestrator.console import Console, banner
 from orchestrator.controller import start_controller
 from orchestrator.metrics import MetricsLogger, PhaseTimer
-from orchestrator.pools import LearnerDied, LearnerGroup, RewardPool, RolloutPool, gather_metrics, get_ranks
+from orchestrator.pools import LearnerDied, LearnerGroup, RewardPool, RolloutPool, gather_metrics
 from orchestrator.run_status import RunStatus
+from orchestrator.weight_sync import make_weight_sync
 from rewards.functions import is_correct
 from rewards.tasks import make_task_from_config
 from workers.prompts import pad_token_id
@@ -48,7 +49,6 @@ class Trainer:
         self.version = 0
         self.start_step = 0
         self.prefetch = None  # one_step_off: the next step's batch, being generated and scored
-        self._weight_group = -1  # rollout pool membership the collective weight group was formed for
         self.stop_requested = False  # `fleetrl stop`: end at the next step boundary
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
         self.resume_from = ckpt.resolve(resume, self.run_dir) if resume else None
@@ -68,7 +68,8 @@ class Trainer:
                            f"{self.run_dir / 'logs'}/")
         self.learner = LearnerGroup(self.cfg)
         self.critic = LearnerGroup(self.cfg, role="critic") if self.cfg.algorithm.uses_critic else None
-        self.rollouts = RolloutPool(self.cfg, max_model_len=max_len)
+        self.rollouts = RolloutPool(self.cfg, max_model_len=max_len, current_weights=self.learner.weight_buckets)
+        self.weight_sync = make_weight_sync(self.cfg, self.learner, self.rollouts)
         self.rewards = RewardPool(self.cfg)
         self.controller = start_controller(self.run_dir.name, len(self.rollouts.workers), len(self.rewards.workers))
         log.info("actors up in %.1fs: %d rollout, %d reward, %d learner ranks", time.perf_counter() - t0,
@@ -370,44 +371,7 @@ class Trainer:
     def push_weights(self) -> dict:
         """Learner -> every rollout engine, in place; the policy version advances."""
         self.version += 1
-        if self.cfg.rollout.weight_sync == "collective":
-            return self._push_collective()
-        t0 = time.perf_counter()
-        buckets = self.learner.weight_buckets()
-        t1 = time.perf_counter()
-        loads = self.rollouts.load_weights(buckets, self.version)
-        return {"weight_sync/gather_s": t1 - t0, "weight_sync/load_s": time.perf_counter() - t1,
-                "weight_sync/engine_reload_s": max(x["seconds"] for x in loads), "weight_sync/buckets": len(buckets)}
-
-    def _push_collective(self) -> dict:
-        """Learner rank 0 broadcasts the buckets straight into every engine (NCCL on GPU, gloo on CPU). The group
-        is (re)built when the pool's membership changed (start, restart, resize)."""
-        import ray
-
-        t0 = time.perf_counter()
-        if self._weight_group != self.rollouts.membership:
-            self._form_weight_group()
-        t1 = time.perf_counter()
-        refs = self.learner.broadcast_weights(self._plans)
-        loads = ray.get(self.rollouts.receive_weights(self._plans, self.version))
-        get_ranks(refs)
-        return {"weight_sync/group_s": t1 - t0, "weight_sync/load_s": time.perf_counter() - t1,
-                "weight_sync/engine_reload_s": max(x["seconds"] for x in loads),
-                "weight_sync/buckets": len(self._plans)}
-
-    def _form_weight_group(self) -> None:
-        import ray
-        import torch
-
-        backend = "nccl" if torch.cuda.is_available() or self.cfg.rollout.num_gpus else "gloo"
-        self._plans = self.learner.weight_plans(self.cfg.rollout.weight_bucket_mb)
-        self.rollouts.fetch_buckets = self.learner.weight_buckets
-        learner_refs, world = self.learner.open_weight_group(len(self.rollouts.workers),
-                                                             self.cfg.rollout.tensor_parallel_size, backend)
-        ray.get(self.rollouts.join_weight_group(*self.learner.weight_endpoint, world, backend))
-        get_ranks(learner_refs)
-        self._weight_group = self.rollouts.membership
-        log.info("weight group (%s) of %d ranks formed; %d buckets per push", backend, world, len(self._plans))
+        return self.weight_sync.push(self.version)
 
     def evaluate(self) -> dict:
         """Greedy held-out accuracy through the rollout engines."""

@@ -100,8 +100,8 @@ def _pushed_weights(group) -> dict[str, torch.Tensor]:
 
     plans = group.weight_plans(BUCKET_MB)
     assert len(plans) > 1
-    learner_refs, world = group.open_weight_group(1, 1, "gloo")
-    comm = weight_communicator("gloo", *group.weight_endpoint, 1, world, "cpu")
+    learner_refs, world, endpoint = group.open_weight_group(1, 1, "gloo")
+    comm = weight_communicator("gloo", *endpoint, 1, world, "cpu")
     get_ranks(learner_refs)
     refs = group.broadcast_weights(plans)
     out = {n: t.clone() for n, t in receive_buckets(comm, plans, "cpu")}
