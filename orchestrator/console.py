@@ -184,6 +184,6 @@ def banner(cfg, learner_ranks: int, rollout: int, reward: int, dashboard: str | 
         lines.append(f"  wandb        {run / 'wandb'} ({cfg.run.wandb_mode})")
     if "mlflow" in cfg.run.loggers:
         lines.append(f"  mlflow       {cfg.run.mlflow_tracking_uri or 'sqlite:///' + str(run / 'mlflow.db')}")
-    off = "off (a private local Ray instance; join a cluster with run.ray_address)"
-    lines.append(f"  dashboard    {dashboard or off}")
+    if dashboard:
+        lines.append(f"  dashboard    {dashboard}")
     return lines

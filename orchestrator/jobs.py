@@ -32,10 +32,22 @@ def auth_token() -> str | None:
 
 def job_client(address: str | None):
     """A job SDK client for the dashboard at ``address`` that sends the auth token when there is one."""
+    import os
+
     from ray.job_submission import JobSubmissionClient
 
-    token = auth_token()
-    return JobSubmissionClient(job_address(address), headers={"Authorization": f"Bearer {token}"} if token else None)
+    token, url = auth_token(), job_address(address)
+    # Ray's client lets RAY_ADDRESS override the address it is given; on a cluster node that is usually the GCS
+    # address, which is not the job API. RAY_API_SERVER_ADDRESS takes precedence over it: pin it to ours.
+    before = os.environ.get("RAY_API_SERVER_ADDRESS")
+    os.environ["RAY_API_SERVER_ADDRESS"] = url
+    try:
+        return JobSubmissionClient(url, headers={"Authorization": f"Bearer {token}"} if token else None)
+    finally:
+        if before is None:
+            del os.environ["RAY_API_SERVER_ADDRESS"]
+        else:
+            os.environ["RAY_API_SERVER_ADDRESS"] = before
 
 
 def job_address(address: str | None) -> str:
@@ -79,6 +91,7 @@ def job_status(job_id: str | None, address: str | None) -> dict:
     """The job's state (from the job API at ``address``) and its run's latest numbers, as the driver stated them
     (:mod:`orchestrator.run_status`, read from the cluster's key-value store: this joins the cluster as a Ray
     client, ``RAY_ADDRESS`` or auto, as `fleetrl scale` does)."""
+    _token_mode()  # before job_client imports ray
     client = job_client(address)
     job_id = job_id or latest_job(client)
     info = client.get_job_info(job_id)
@@ -131,12 +144,19 @@ def stop(run: str | None, address: str | None, wait_s: float) -> dict:
     return {"stopped": ended, "step": status.get("step")}
 
 
+def _token_mode() -> None:
+    """Join in token mode when a token exists; Ray reads this when it is first imported, so call it before that."""
+    import os
+
+    if auth_token() and "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 def _connect(address: str | None) -> None:
     """Join the cluster as a Ray client: ``address`` (a GCS address), else RAY_ADDRESS when it is one, else auto."""
     import os
 
-    if auth_token() and "RAY_AUTH_MODE" not in os.environ:
-        os.environ["RAY_AUTH_MODE"] = "token"  # read when ray is imported
+    _token_mode()
     import ray
 
     if ray.is_initialized():

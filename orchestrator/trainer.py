@@ -465,7 +465,7 @@ def run_training(cfg: FleetConfig, resume: str | None = None) -> list[dict]:
 def init_ray(cfg: FleetConfig) -> str | None:
     """Join ``run.ray_address`` (or RAY_ADDRESS, as inside a Ray job), or start a private local Ray instance with
     enough CPUs for the configured actors. Actors' output reaches this console only with ``run.verbose`` (it is in
-    their log files either way). Returns the Ray dashboard's URL, if there is one."""
+    their log files either way). Returns where the Ray dashboard is, for the banner."""
     import math
 
     import ray
@@ -474,13 +474,11 @@ def init_ray(cfg: FleetConfig) -> str | None:
         return None
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
     quiet = {"log_to_driver": cfg.run.verbose, "logging_level": logging.INFO if cfg.run.verbose else logging.ERROR}
-    if address:
-        ctx = ray.init(address=address, **quiet)
-    else:
-        ctx = ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(_cpus_needed(cfg))), include_dashboard=False,
-                       **quiet)
-    url = getattr(ctx, "dashboard_url", None)
-    return f"http://{url}" if url and not url.startswith("http") else url or None
+    if not address:
+        ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(_cpus_needed(cfg))), include_dashboard=False, **quiet)
+        return "off (a private local Ray instance; join a cluster with run.ray_address)"
+    url = getattr(ray.init(address=address, **quiet), "dashboard_url", None)
+    return (f"http://{url}" if not url.startswith("http") else url) if url else f"the cluster's ({address})"
 
 
 def make_task(cfg: FleetConfig):
