@@ -4,7 +4,7 @@ next to a plain in-memory copy of the same bytes (the floor).
     python -m bench.weight_push [--quick]
 
 The real path of a training step's push: the named parameters are packed into byte buckets of at most
-``rollout.weight_bucket_mb`` (``workers.weight_buckets.pack``), put into Ray's object store (``ray.put``), and
+``rollout.weight_bucket_mb`` (``workers.weight_buckets``, the learner's code), put into Ray's object store, and
 every engine reloads in place from them (``RolloutWorker.load_weights``, a vLLM layer-wise reload, through the
 ``RolloutPool`` the trainer uses). Here the driver packs (in training the learner's rank 0 does, same code).
 Total = pack + put + load; GB/s = model bytes / total. One untimed warm-up push per size, then the median of
@@ -27,27 +27,15 @@ FULL = dict(models=["push-1m", "push-10m", "push-100m"], reps=3)
 QUICK = dict(models=["push-1m"], reps=1)
 
 
-def chunks(named: list[tuple[str, torch.Tensor]], bucket_mb: float) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive parameters in groups of at most ``bucket_mb`` MB (as the learner's ``_gathered_chunks``)."""
-    out, chunk, size, limit = [], [], 0, bucket_mb * 2**20
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if chunk and size + nbytes > limit:
-            out.append(chunk)
-            chunk, size = [], 0
-        chunk.append((name, t))
-        size += nbytes
-    return out + ([chunk] if chunk else [])
-
-
 def push(pool, named, bucket_mb: float, workers: int, version: int) -> dict:
     """One push into the first ``workers`` engines of ``pool``; phase seconds."""
     import ray
 
-    from workers.weight_buckets import pack
+    from workers.weight_buckets import gathered_buckets, param_specs, plan_buckets, to_object
 
     t0 = time.perf_counter()
-    buckets = [pack(c) for c in chunks(named, bucket_mb)]
+    plans = plan_buckets(param_specs(named), int(bucket_mb * 2**20))
+    buckets = [to_object(plan, chunk) for plan, chunk in gathered_buckets(plans, dict(named))]
     t1 = time.perf_counter()
     refs = [ray.put(b) for b in buckets]
     t2 = time.perf_counter()

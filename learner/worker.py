@@ -227,46 +227,36 @@ class LearnerWorker(LoggedActor):
         return value_loss(values, mb.old_values, mb.returns, mb.response_mask, mb.scale, **self.loss_kwargs)
 
     # ---- weights out ----------------------------------------------------------------------------------
-    def _gathered_chunks(self, bucket_mb: float):
-        """Yield lists of (name, cpu tensor) of at most ``bucket_mb`` MB, gathered from ZeRO-3 shards where
-        needed. Every rank must iterate (the gather is collective); only rank 0's tensors are meaningful."""
+    def _gathered(self, bucket_mb: float):
+        """``(plan, full tensors)`` per weight bucket (:func:`workers.weight_buckets.gathered_buckets`), gathered
+        from ZeRO-3 shards where needed. Every rank must walk all of it (the gather is collective); only rank 0's
+        tensors are used."""
         import deepspeed
 
-        params = list(self.hf_model.named_parameters())
-        limit = bucket_mb * 2**20
-        chunk, size = [], 0
-        for name, p in params:
-            numel = p.ds_numel if hasattr(p, "ds_numel") else p.numel()
-            nbytes = numel * p.element_size()
-            if chunk and size + nbytes > limit:
-                yield self._gather(chunk, deepspeed)
-                chunk, size = [], 0
-            chunk.append((name, p))
-            size += nbytes
-        if chunk:
-            yield self._gather(chunk, deepspeed)
+        from workers import weight_buckets as wb
 
-    def _gather(self, chunk, deepspeed) -> list:
-        if self.zero_stage == 3:
-            with deepspeed.zero.GatheredParameters([p for _, p in chunk], modifier_rank=None):
-                return [(n, p.detach().cpu().clone()) for n, p in chunk] if self.rank == 0 else []
-        return [(n, p.detach().cpu()) for n, p in chunk] if self.rank == 0 else []
+        def gather(params):
+            return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+        plans = wb.plan_buckets(wb.param_specs(self.hf_model.named_parameters()), int(bucket_mb * 2**20))
+        return wb.gathered_buckets(plans, dict(self.hf_model.named_parameters()),
+                                   gather if self.zero_stage == 3 else None)
 
     def weight_buckets(self, bucket_mb: float) -> list:
         """Put the current weights into Ray's object store as packed buckets; rank 0 returns the ObjectRefs."""
         import ray
 
-        from workers.weight_buckets import pack
+        from workers.weight_buckets import to_object
 
-        refs = [ray.put(pack(chunk)) for chunk in self._gathered_chunks(bucket_mb) if chunk]
-        return refs if self.rank == 0 else []
+        refs = [ray.put(to_object(plan, chunk)) for plan, chunk in self._gathered(bucket_mb) if self.rank == 0]
+        return refs
 
     # ---- collective weight push (rollout.weight_sync=collective) ---------------------------------------
     def weight_specs(self) -> list:
         """(name, full shape, dtype) of every parameter, in push order."""
-        from workers import nccl_sync
+        from workers.weight_buckets import param_specs
 
-        return nccl_sync.param_specs(self.hf_model.named_parameters())
+        return param_specs(self.hf_model.named_parameters())
 
     def weight_endpoint(self) -> tuple[str, int]:
         """Rank 0: bind the weight group's rendezvous socket; returns (host, port) for the engines."""
@@ -300,7 +290,8 @@ class LearnerWorker(LoggedActor):
         """Write the policy as an HF directory (safetensors + tokenizer), gathered from all ranks."""
         from transformers import AutoTokenizer
 
-        state = {n: t for chunk in self._gathered_chunks(1024) for n, t in chunk}
+        state = {n: t.detach().cpu().clone() for plan, chunk in self._gathered(1024) if self.rank == 0
+                 for n, t in zip(plan.names, chunk)}
         if self.rank != 0:
             return None
         self.hf_model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)

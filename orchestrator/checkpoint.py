@@ -4,14 +4,19 @@ A checkpoint is written under a temporary name, the completion marker ``COMPLETE
 directory is renamed into place; only complete checkpoints are ever loaded, and the last
 ``trainer.keep_checkpoints`` are kept. Contents: ``learner/`` and ``critic/`` (DeepSpeed state per rank:
 weights, optimizer, LR schedule, each rank's RNG), ``policy/`` (the policy as an HF safetensors directory),
-``trainer_state.json`` (next step, policy version) and ``config.yaml``.
+``trainer_state.json`` (next step, policy version), ``config.yaml``, and in ``rollout.mode: one_step_off`` the
+batch in flight (``in_flight.json``: the next step's scored samples, generated with the weights one version
+older than the checkpoint's, which a resumed run could not regenerate).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
+
+from workers.records import Sample, ScoredSample
 
 MARKER = "COMPLETE"
 
@@ -38,6 +43,23 @@ def commit(run_dir: Path, staging: Path, step: int, state: dict, config_yaml: st
     for old in complete_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_in_flight(staging: Path, scored: list[ScoredSample], reward_errors: int, sampling: dict) -> None:
+    """The batch in flight, as JSON (floats written exactly; loading it runs no code)."""
+    record = {"scored": [dataclasses.asdict(x) for x in scored], "reward_errors": reward_errors,
+              "sampling": sampling}
+    (staging / "in_flight.json").write_text(json.dumps(record))
+
+
+def load_in_flight(path: Path) -> tuple[list[ScoredSample], int, dict] | None:
+    """The batch a checkpoint had in flight, or None."""
+    file = path / "in_flight.json"
+    if not file.exists():
+        return None
+    record = json.loads(file.read_text())
+    scored = [ScoredSample(Sample(**x["sample"]), x["reward"], x["components"]) for x in record["scored"]]
+    return scored, record["reward_errors"], record["sampling"]
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:

@@ -97,11 +97,10 @@ def progress_line(m: dict) -> str:
     if "reward/mean" not in m:
         return f"step {m['step']:>4} v{m['policy_version']}{ev} (eval only)"
     kl = m.get("kl", float("nan"))  # only when a reference model is kept (a KL term, or learner.log_kl)
-    stale = "weight_sync/logprob_max_diff" not in m and "rollout/stale_logprob_gap_max" in m
-    gap = m.get("rollout/stale_logprob_gap_max" if stale else "weight_sync/logprob_max_diff", float("nan"))
+    sync = m.get("weight_sync/logprob_max_diff", float("nan"))
     return (f"step {m['step']:>4} v{m['policy_version']} reward {m.get('reward/mean', float('nan')):.3f}"
             f" acc {m.get('train/accuracy', float('nan')):.3f}{ev} loss {m.get('loss', float('nan')):+.4f}"
-            + (f" kl {kl:.4f}" if kl == kl else "") + f" {'stale_gap' if stale else 'sync_diff'} {gap:.1e}"
+            + (f" kl {kl:.4f}" if kl == kl else "") + f" sync_diff {sync:.1e}"
             f" | gen {m.get('time/generate_s', 0):.2f}s learn {m.get('time/learn_s', 0):.2f}s"
             f" sync {m.get('time/sync_s', 0):.2f}s step_time {m.get('time/step_s', 0):.2f}s"
             f" tok/s {m.get('throughput/tokens_per_s', 0):.0f}")

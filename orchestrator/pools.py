@@ -170,6 +170,14 @@ class RolloutPool(ActorPool):
             lambda w, part: w.generate.remote(part, group_size, r.max_new_tokens, temperature, r.top_p, seed), parts)
         return [s for out in outs for s in out]
 
+    def probe(self, prompts: list[Prompt], max_new_tokens: int, seed: int) -> list[Sample]:
+        """Every engine samples each prompt once with the same seed (the weight push's check)."""
+        r = self.cfg.rollout
+        part = [(p.uid, p.text, p.metadata) for p in prompts]
+        outs = self.fan_out(lambda w, part: w.generate.remote(part, 1, max_new_tokens, r.temperature, r.top_p, seed),
+                            [part] * len(self.workers))
+        return [s for out in outs for s in out]
+
     def join_weight_group(self, host: str, port: int, world_size: int, backend: str) -> list:
         """ObjectRefs of every engine joining the weight group (a rendezvous with learner rank 0)."""
         from workers.nccl_sync import engine_rank_offset
@@ -340,7 +348,7 @@ class LearnerGroup:
         return [self.ranks[0].join_weight_group.remote(*endpoint, world, backend)], world, tuple(endpoint)
 
     def weight_plans(self, bucket_mb: float) -> list:
-        from workers.nccl_sync import plan_buckets
+        from workers.weight_buckets import plan_buckets
 
         return plan_buckets(self._get([self.ranks[0].weight_specs.remote()])[0], int(bucket_mb * 2**20))
 

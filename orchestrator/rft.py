@@ -107,7 +107,7 @@ class RFTTrainer(Trainer):
             with timer("logprobs"):
                 batch = self.learner.compute_logprobs(sft_batch([x.sample for x in kept], len(scored), self.pad_id))
             mask = batch.response_mask.bool()
-            out["weight_sync/logprob_max_diff"] = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask].max().item()
+            out["rollout/logprob_gap_max"] = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask].max().item()
             out["rft/nll_before"] = -batch.old_logprobs[mask].mean().item()  # token-mean NLL of the kept samples
             with timer("learn"):
                 out.update(learner_metrics(self.learn(batch)))

@@ -13,7 +13,7 @@ import logging
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -69,7 +69,8 @@ class Trainer:
         self.learner = LearnerGroup(self.cfg)
         self.critic = LearnerGroup(self.cfg, role="critic") if self.cfg.algorithm.uses_critic else None
         self.rollouts = RolloutPool(self.cfg, max_model_len=max_len, current_weights=self.learner.weight_buckets)
-        self.weight_sync = make_weight_sync(self.cfg, self.learner, self.rollouts)
+        self.weight_sync = make_weight_sync(self.cfg, self.learner, self.rollouts, self.task.train_batch(0, 1),
+                                            self.pad_id)
         self.rewards = RewardPool(self.cfg)
         self.controller = start_controller(self.run_dir.name, len(self.rollouts.workers), len(self.rewards.workers))
         log.info("actors up in %.1fs: %d rollout, %d reward, %d learner ranks", time.perf_counter() - t0,
@@ -88,6 +89,10 @@ class Trainer:
             self.critic.load_checkpoint(str(path / "critic"))
         self.version = state["policy_version"] - 1
         self.push_weights()
+        in_flight = ckpt.load_in_flight(path)
+        if in_flight is not None:  # one_step_off: the next step trains on the batch the checkpoint had in flight
+            self.prefetch = Future()
+            self.prefetch.set_result((in_flight, PhaseTimer()))
         self.console.print(f"resumed from {path} at step {self.start_step} (policy version {self.version})")
 
     def save_checkpoint(self, next_step: int) -> float:
@@ -99,6 +104,8 @@ class Trainer:
             if self.critic:
                 self.critic.save_checkpoint(str(stage / "critic"))
             self.learner.save_hf(str(stage / "policy"))
+            if self.prefetch is not None:  # one_step_off: generated and scored already (train_step waited)
+                ckpt.save_in_flight(stage, *self.prefetch.result()[0])
             ckpt.commit(self.run_dir, stage, next_step, {"step": next_step, "policy_version": self.version},
                         dump_config(self.cfg), self.cfg.trainer.keep_checkpoints)
         except (OSError, RuntimeError) as e:  # a full disk surfaces as OSError or as torch.save's RuntimeError
@@ -403,10 +410,10 @@ class Trainer:
             "reward/errors": reward_errors, "train/accuracy": sum(correct) / len(correct),
             "tokens_generated": int(lengths.sum()), "response/length_mean": lengths.mean().item(),
             "response/truncated_frac": sum(x.sample.finish_reason == "length" for x in scored) / len(scored),
-            # samples of the current version: the learner and the engine must agree (the pushed weights arrived);
-            # older samples (one_step_off) differ by the updates since, which the truncated IS weighs
-            ("weight_sync/logprob_max_diff" if staleness == 0 else "rollout/stale_logprob_gap_max"):
-                diff.max().item() if diff.numel() else 0.0,
+            # |learner - engine| logprob of the batch's tokens: rounding for samples of the current version, plus
+            # the updates since for older ones (one_step_off), which the truncated IS weighs. Whether the push
+            # arrived is weight_sync/logprob_max_diff (orchestrator/weight_sync.py), in every mode.
+            "rollout/logprob_gap_max": diff.max().item() if diff.numel() else 0.0,
             "rollout/policy_version_min": min(x.sample.policy_version for x in scored),
             "rollout/staleness_max": staleness,
             "rollout/workers": len(self.rollouts.workers), "reward/workers": len(self.rewards.workers),

@@ -1,6 +1,13 @@
 """One object owns the learner -> engines weight push: :class:`WeightSync`, made by :func:`make_weight_sync` from
 ``rollout.weight_sync`` and held by the trainer. ``push(version)`` puts the learner's current weights into every
-running engine, in place, and returns the push's metrics.
+running engine, in place, checks that they arrived, and returns the push's metrics.
+
+The check is the one number for "the engine matches the learner", ``weight_sync/logprob_max_diff``, the same in
+every rollout mode: after the push every engine samples a fixed probe prompt (fixed seed, the run's
+temperature), the learner scores those tokens with the weights it just pushed, and the metric is the largest
+|engine - learner| logprob over all engines' tokens (fp32: ~1e-6; bf16 engines: rounding, ~1e-2). How far the
+batch a step trains on lags the learner is a separate question with its own keys (``rollout/staleness_max``,
+``rollout/logprob_gap_max``, see the trainer).
 
 - :class:`ObjectStoreSync`: the learner packs its weights into byte buckets in Ray's object store; every engine
   reloads from them. A new or replaced engine loads the last pushed buckets (the pool keeps them), so it serves
@@ -16,23 +23,50 @@ from __future__ import annotations
 import logging
 import time
 
+from learner.batch import build_batch
 from orchestrator.config import FleetConfig
 from orchestrator.pools import LearnerGroup, RolloutPool, get_ranks
+from rewards.tasks import Prompt
 
 log = logging.getLogger("fleetrl")
 
 
+PROBE_TOKENS = 16  # tokens each engine samples for the push check
+PROBE_SEED = 20_011
+
+
 class WeightSync:
-    def __init__(self, cfg: FleetConfig, learner: LearnerGroup, rollouts: RolloutPool):
+    def __init__(self, cfg: FleetConfig, learner: LearnerGroup, rollouts: RolloutPool, probe: list[Prompt],
+                 pad_id: int):
+        """``probe``: the prompts every engine samples after a push (:meth:`check`); ``pad_id`` pads them."""
         self.cfg, self.learner, self.rollouts = cfg, learner, rollouts
+        self.probe, self.pad_id = probe, pad_id
 
     def push(self, version: int) -> dict:
-        """Every engine serves the learner's current weights as ``version``; returns ``weight_sync/*`` metrics."""
+        """Every engine serves the learner's current weights as ``version``; returns ``weight_sync/*`` metrics,
+        ``weight_sync/logprob_max_diff`` among them."""
+        metrics = self._push(version)
+        t0 = time.perf_counter()
+        metrics["weight_sync/logprob_max_diff"] = self.check()
+        metrics["weight_sync/check_s"] = time.perf_counter() - t0
+        return metrics
+
+    def _push(self, version: int) -> dict:
         raise NotImplementedError
+
+    def check(self) -> float:
+        """Largest |engine - learner| logprob of the tokens every engine samples from the probe prompts."""
+        samples = self.rollouts.probe(self.probe, min(PROBE_TOKENS, self.cfg.rollout.max_new_tokens), PROBE_SEED)
+        world = self.learner.world
+        rows = [samples[i % len(samples)] for i in range(-(-len(samples) // world) * world)]
+        batch = self.learner.compute_logprobs(build_batch(
+            [s.prompt_ids for s in rows], [s.completion_ids for s in rows], [s.logprobs for s in rows], self.pad_id))
+        mask = batch.response_mask.bool()
+        return (batch.old_logprobs - batch.rollout_logprobs).abs()[mask].max().item() if mask.any() else 0.0
 
 
 class ObjectStoreSync(WeightSync):
-    def push(self, version: int) -> dict:
+    def _push(self, version: int) -> dict:
         t0 = time.perf_counter()
         buckets = self.learner.weight_buckets()
         t1 = time.perf_counter()
@@ -42,12 +76,13 @@ class ObjectStoreSync(WeightSync):
 
 
 class CollectiveSync(WeightSync):
-    def __init__(self, cfg: FleetConfig, learner: LearnerGroup, rollouts: RolloutPool):
-        super().__init__(cfg, learner, rollouts)
+    def __init__(self, cfg: FleetConfig, learner: LearnerGroup, rollouts: RolloutPool, probe: list[Prompt],
+                 pad_id: int):
+        super().__init__(cfg, learner, rollouts, probe, pad_id)
         self.membership = -1  # the rollout pool membership the group was formed for
         self.plans: list = []
 
-    def push(self, version: int) -> dict:
+    def _push(self, version: int) -> dict:
         import ray
 
         t0 = time.perf_counter()
@@ -75,5 +110,7 @@ class CollectiveSync(WeightSync):
         log.info("weight group (%s) of %d ranks formed; %d buckets per push", backend, world, len(self.plans))
 
 
-def make_weight_sync(cfg: FleetConfig, learner: LearnerGroup, rollouts: RolloutPool) -> WeightSync:
-    return (CollectiveSync if cfg.rollout.weight_sync == "collective" else ObjectStoreSync)(cfg, learner, rollouts)
+def make_weight_sync(cfg: FleetConfig, learner: LearnerGroup, rollouts: RolloutPool, probe: list[Prompt],
+                     pad_id: int) -> WeightSync:
+    kind = CollectiveSync if cfg.rollout.weight_sync == "collective" else ObjectStoreSync
+    return kind(cfg, learner, rollouts, probe, pad_id)

@@ -14,6 +14,7 @@ import yaml
 
 from orchestrator.config import load_config
 from workers import nccl_sync as ns
+from workers import weight_buckets as wb
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -111,26 +112,26 @@ SPECS = [("a", (10,), "float32"), ("b", (3, 5), "bfloat16"), ("c", (100,), "floa
 
 
 def test_plan_buckets_keeps_order_and_respects_the_cap():
-    plans = ns.plan_buckets(SPECS, cap_bytes=512)
+    plans = wb.plan_buckets(SPECS, cap_bytes=512)
     assert [n for p in plans for n in p.names] == [s[0] for s in SPECS]
     # c (400 B) ends at 400; d would start at the next 256-byte boundary, 512: past the cap
     assert [p.names for p in plans] == [("a", "b"), ("c",), ("d", "e")]
     assert all(p.nbytes <= 512 for p in plans)
     for p in plans:
-        assert all(off % ns.ALIGN == 0 for off in p.offsets)
-        ends = [off + ns.tensor_nbytes(n, s, d) for n, s, d, off in zip(p.names, p.shapes, p.dtypes, p.offsets)]
+        assert all(off % wb.ALIGN == 0 for off in p.offsets)
+        ends = [off + wb.tensor_nbytes(n, s, d) for n, s, d, off in zip(p.names, p.shapes, p.dtypes, p.offsets)]
         assert all(end <= nxt for end, nxt in zip(ends, p.offsets[1:]))  # no overlap
         assert p.nbytes >= ends[-1]
     assert plans[0].offsets == (0, 256) and plans[0].nbytes == 512  # 40 B, then 30 B at the next boundary
 
 
 def test_plan_buckets_oversized_tensor_gets_its_own_bucket():
-    plans = ns.plan_buckets([("small", (4,), "float32"), ("big", (1000,), "float32"), ("tail", (4,), "float32")],
+    plans = wb.plan_buckets([("small", (4,), "float32"), ("big", (1000,), "float32"), ("tail", (4,), "float32")],
                             cap_bytes=1024)
     assert [p.names for p in plans] == [("small",), ("big",), ("tail",)]
     assert plans[1].nbytes == 4096 and plans[1].offsets == (0,)
-    assert [p.names for p in ns.plan_buckets(SPECS, cap_bytes=10**9)] == [tuple(s[0] for s in SPECS)]
-    assert ns.plan_buckets([], cap_bytes=1) == []
+    assert [p.names for p in wb.plan_buckets(SPECS, cap_bytes=10**9)] == [tuple(s[0] for s in SPECS)]
+    assert wb.plan_buckets([], cap_bytes=1) == []
 
 
 @pytest.mark.parametrize("specs,cap,message", [
@@ -141,7 +142,7 @@ def test_plan_buckets_oversized_tensor_gets_its_own_bucket():
 ])
 def test_plan_buckets_rejects_bad_input(specs, cap, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        ns.plan_buckets(specs, cap)
+        wb.plan_buckets(specs, cap)
 
 
 def _tensors(specs, seed=0):
@@ -151,29 +152,29 @@ def _tensors(specs, seed=0):
 
 def test_pack_unpack_round_trip_all_dtypes():
     tensors = _tensors(SPECS)
-    for plan in ns.plan_buckets(SPECS, cap_bytes=600):
-        buf = ns.pack_bucket(plan, [tensors[n] for n in plan.names])
+    for plan in wb.plan_buckets(SPECS, cap_bytes=600):
+        buf = wb.pack_bucket(plan, [tensors[n] for n in plan.names])
         assert buf.dtype == torch.uint8 and buf.numel() == plan.nbytes
-        for name, view in ns.unpack_bucket(plan, buf):
+        for name, view in wb.unpack_bucket(plan, buf):
             assert view.dtype == tensors[name].dtype and torch.equal(view, tensors[name]), name
             assert view.data_ptr() - buf.data_ptr() == plan.offsets[plan.names.index(name)]  # a view, no copy
 
 
 def test_pack_refuses_an_ungathered_shard():
-    (plan,) = ns.plan_buckets([("w", (4, 4), "float32")], 1024)
+    (plan,) = wb.plan_buckets([("w", (4, 4), "float32")], 1024)
     with pytest.raises(ValueError, match=r"w: planned float32\[4, 4\], got torch.float32\[0\].*gathered"):
-        ns.pack_bucket(plan, [torch.empty(0)])
+        wb.pack_bucket(plan, [torch.empty(0)])
 
 
 def test_param_specs_use_zero3_full_shapes_and_skip_tied_duplicates():
     model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(32, 16), "norm": torch.nn.LayerNorm(16),
                                  "head": torch.nn.Linear(16, 32, bias=False)})
     model["head"].weight = model["embed"].weight  # tied, as with tie_word_embeddings
-    assert ns.param_specs(model.named_parameters()) == [
+    assert wb.param_specs(model.named_parameters()) == [
         ("embed.weight", (32, 16), "float32"), ("norm.weight", (16,), "float32"), ("norm.bias", (16,), "float32")]
     shard = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16))
     shard.ds_shape = torch.Size([32, 16])  # what DeepSpeed ZeRO-3 leaves on a rank outside a gather
-    assert ns.param_specs([("w", shard)]) == [("w", (32, 16), "bfloat16")]
+    assert wb.param_specs([("w", shard)]) == [("w", (32, 16), "bfloat16")]
 
 
 def test_group_layout():
@@ -188,7 +189,7 @@ def test_group_layout():
 def test_broadcast_and_receive_over_gloo():
     """Learner rank 0 and one receiver in a real 2-rank gloo group (threads of this process)."""
     tensors = _tensors(SPECS, seed=1)
-    plans = ns.plan_buckets(SPECS, cap_bytes=300)
+    plans = wb.plan_buckets(SPECS, cap_bytes=300)
     assert len(plans) > 2
     host, port, sock = ns.open_endpoint("127.0.0.1")
     got, errors = [], []
@@ -232,7 +233,7 @@ def test_a_failed_reload_still_drains_the_broadcast():
     """If the engine's reload stops early, the receiver still takes every bucket (so the learner and the other
     engines do not hang in the collective) and then reports the mismatch."""
     tensors = _tensors(SPECS, seed=2)
-    plans = ns.plan_buckets(SPECS, cap_bytes=300)
+    plans = wb.plan_buckets(SPECS, cap_bytes=300)
     host, port, sock = ns.open_endpoint("127.0.0.1")
     sent = []
     sender = threading.Thread(target=lambda: sent.append(ns.broadcast_weights(

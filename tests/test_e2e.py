@@ -16,7 +16,7 @@ from tests.conftest import shared_ray_env
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ["step", "policy_version", "reward/mean", "reward/std", "train/accuracy", "loss", "kl", "clip_frac",
             "entropy", "tokens_generated", "time/generate_s", "time/reward_s", "time/learn_s", "time/sync_s",
-            "time/step_s", "weight_sync/logprob_max_diff"]
+            "time/step_s", "weight_sync/logprob_max_diff", "rollout/logprob_gap_max", "rollout/staleness_max"]
 
 
 def train(run_dir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -46,8 +46,10 @@ def test_grpo_three_steps_real_stack(tmp_path):
     for r in train_rows:
         missing = [k for k in REQUIRED if k not in r]
         assert not missing, missing
-        # the learner's logprobs of the sampled tokens equal the engine's: the pushed weights arrived
+        # the engines' logprobs of their probe tokens equal the learner's after the push: the weights arrived;
+        # and the batch was sampled by the weights the learner trained from
         assert r["weight_sync/logprob_max_diff"] < 1e-3, r["weight_sync/logprob_max_diff"]
+        assert r["rollout/logprob_gap_max"] < 1e-3 and r["rollout/staleness_max"] == 0
         assert r["rollout/policy_version_min"] == r["policy_version"]
         assert r["tokens_generated"] > 0 and r["time/step_s"] > 0
         assert all(abs(r[k]) < 1e6 for k in ("loss", "kl", "entropy"))
@@ -179,9 +181,11 @@ def test_one_step_off_generates_next_batch_during_update(tmp_path):
     train = [r for r in rows if "reward/mean" in r]
     assert [r["rollout/staleness_max"] for r in train] == [0, 1, 1]
     assert [r["rollout/policy_version_min"] for r in train] == [0, 0, 1]
-    assert train[0]["weight_sync/logprob_max_diff"] < 1e-3  # same-version samples: the push arrived
+    assert train[0]["rollout/logprob_gap_max"] < 1e-3  # same-version samples
+    for r in train:  # every push arrived, also while the engines were one step ahead
+        assert r["weight_sync/logprob_max_diff"] < 1e-3
     for r in train[1:]:  # stale samples: generated during the previous update, which moved the policy
-        assert r["time/generate_overlapped_s"] > 0 and r["rollout/stale_logprob_gap_max"] > 1e-3
+        assert r["time/generate_overlapped_s"] > 0 and r["rollout/logprob_gap_max"] > 1e-3
     assert [r["rollout/queue_depth"] for r in train] == [16, 16, 0]
     # no separate logprob pass: the update's first pass gives the old (proximal) logprobs, the TIS weighs the gap
     assert all(r["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6) for r in train)

@@ -60,7 +60,8 @@ def test_killed_rollout_and_reward_actors_are_replaced(tmp_path):
     assert len(train) == 4
     for r in train:  # every step had its full batch, each prompt once
         assert r["rollout/samples"] == 16 * 8 and r["rollout/unique_prompts"] == 16
-        assert r["weight_sync/logprob_max_diff"] < 1e-3  # replacement engines got the current weights
+        assert r["rollout/logprob_gap_max"] < 1e-3  # replacement engines generated with the current weights
+        assert r["weight_sync/logprob_max_diff"] < 1e-3  # and every push after it arrived
     assert train[-1]["faults/rollout_restarts"] == 1 and train[-1]["faults/reward_restarts"] == 1
     assert train[0]["faults/rollout_restarts"] == 0
     print("recovery seconds: rollout", train[-1]["faults/rollout_recovery_s"], "reward",

@@ -87,9 +87,9 @@ def _bucketed_weights(group) -> dict[str, torch.Tensor]:
     """The object-store push: rank 0's buckets (every rank takes part in the ZeRO-3 gathers)."""
     import ray
 
-    from workers.weight_buckets import unpack
+    from workers.weight_buckets import from_object
 
-    return {n: t.clone() for ref in group.weight_buckets() for n, t in unpack(ray.get(ref))}
+    return {n: t.clone() for ref in group.weight_buckets() for n, t in from_object(ray.get(ref))}
 
 
 def _pushed_weights(group) -> dict[str, torch.Tensor]:

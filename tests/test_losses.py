@@ -128,11 +128,12 @@ def test_build_batch_layout_left_prompt_right_response():
 
 
 def test_weight_bucket_round_trip_all_dtypes():
-    from workers.weight_buckets import pack, unpack
+    from workers.weight_buckets import from_object, param_specs, plan_buckets, to_object
 
     named = [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16)), ("c", torch.arange(7)),
              ("d", torch.randn(2, 3).t())]  # non-contiguous
-    out = unpack(pack(named))
+    (plan,) = plan_buckets(param_specs(named), cap_bytes=10**6)
+    out = from_object(to_object(plan, [t for _, t in named]))
     assert [n for n, _ in out] == ["a", "b", "c", "d"]
     for (_, x), (_, y) in zip(named, out):
         assert x.dtype == y.dtype and torch.equal(x, y)

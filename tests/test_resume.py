@@ -1,4 +1,4 @@
-"""Checkpoint, exact resume, and export, on the real stack (2 learner ranks, ZeRO-2)."""
+"""Checkpoint, exact resume in every rollout mode and ZeRO stage, and export, on the real stack."""
 
 import json
 import subprocess
@@ -10,32 +10,49 @@ import pytest
 from tests.test_e2e import ROOT, run_fleetrl
 
 COMMON = ["trainer.total_steps=4", "trainer.save_every=2", "trainer.eval_every=0", "rollout.num_workers=1",
-          "learner.num_ranks=2", "learner.zero_stage=2", "learner.lr=1e-4", "learner.log_kl=true"]
+          "learner.lr=1e-4", "learner.log_kl=true"]
+# every mode a run can resume in, each at a different ZeRO stage: the state that must survive is different in each
+# (the critic's weights and optimizer for PPO, the batch in flight for one_step_off, the sampling rounds' prompt
+# stream for dynamic sampling)
+MODES = {
+    "grpo-sync-zero2-2ranks": ["learner.num_ranks=2", "learner.zero_stage=2"],
+    "ppo-one_step_off-zero3-2ranks": ["algorithm.name=ppo", "rollout.mode=one_step_off", "learner.num_ranks=2",
+                                      "learner.zero_stage=3"],
+    "rloo-dynamic_sampling-zero0": ["algorithm.name=rloo", "rollout.dynamic_sampling=true", "learner.num_ranks=1",
+                                    "learner.zero_stage=0"],
+}
+SAME = ("reward/mean", "loss", "kl", "entropy", "actor/grad_norm", "rollout/logprob_gap_max", "rollout/staleness_max")
 
 
 @pytest.mark.e2e
-def test_resume_is_exact_and_export_loads_in_vllm(tmp_path):
-    full = run_fleetrl(tmp_path / "full", *COMMON)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_resume_is_exact(tmp_path, mode):
+    """4 steps straight, and 2 steps resumed from the step-2 checkpoint: the same rewards, losses, KL, gradient
+    norms (and value losses, sampling rounds) at steps 2 and 3."""
+    full = run_fleetrl(tmp_path / "full", *COMMON, *MODES[mode])
     ckpts = sorted((tmp_path / "full" / "checkpoints").glob("step_*"))
     assert [p.name for p in ckpts] == ["step_000002", "step_000004"]
     assert all((p / "COMPLETE").exists() and (p / "policy" / "model.safetensors").exists() for p in ckpts)
     assert json.loads((ckpts[0] / "trainer_state.json").read_text()) == {"step": 2, "policy_version": 2}
+    assert (ckpts[0] / "in_flight.json").exists() == ("one_step_off" in mode)
 
-    resumed = run_fleetrl(tmp_path / "resumed", *COMMON, "--resume", str(ckpts[0]))
+    resumed = run_fleetrl(tmp_path / "resumed", *COMMON, *MODES[mode], "--resume", str(ckpts[0]))
     by_step = {r["step"]: r for r in resumed}
     assert sorted(by_step) == [2, 3, 4]
+    keys = SAME + (("critic/value_loss", "critic/grad_norm") if "ppo" in mode else ()) + (
+        ("sampling/rounds", "sampling/informative_groups") if "dynamic" in mode else ())
     for row in full[2:4]:
         other = by_step[row["step"]]
         assert other["policy_version"] == row["policy_version"]
-        for key in ("reward/mean", "loss", "kl", "entropy", "actor/grad_norm"):
-            assert other[key] == pytest.approx(row[key], rel=1e-5, abs=1e-7), key
-        assert other["weight_sync/logprob_max_diff"] < 1e-3  # restored weights reached the engine
-
-    out = tmp_path / "exported"
-    r = subprocess.run([sys.executable, "-m", "orchestrator", "export", str(tmp_path / "full"), "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    _vllm_matches_transformers(out)
+        for key in keys:
+            assert other[key] == pytest.approx(row[key], rel=1e-5, abs=1e-7), (row["step"], key)
+        assert other["weight_sync/logprob_max_diff"] < 1e-3  # the restored weights reached the engine
+    if mode.startswith("grpo"):
+        out = tmp_path / "exported"
+        r = subprocess.run([sys.executable, "-m", "orchestrator", "export", str(tmp_path / "full"), "--out",
+                            str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        _vllm_matches_transformers(out)
 
 
 def _vllm_matches_transformers(model_dir):

@@ -15,7 +15,8 @@ Group layout (one group for the whole run)::
     rank 0                       learner rank 0 (the sender; it binds the rendezvous socket)
     rank 1 + e * W + r           worker r of engine e, W = workers per engine (tensor x pipeline parallel)
 
-Per push, with ``plans = plan_buckets(param_specs(...), cap)`` computed once by the driver (names, shapes and
+Per push, with ``plans = plan_buckets(param_specs(...), cap)`` (the one bucket format,
+:mod:`workers.weight_buckets`, shared with the object-store push) computed once by the driver (names, shapes and
 dtypes do not change during a run):
 
 - every learner rank calls :func:`broadcast_weights` (under ZeRO-3 the gather of a bucket's shards is
@@ -36,101 +37,15 @@ vLLM and ``torch.distributed`` are imported inside functions, so this module imp
 from __future__ import annotations
 
 import contextlib
-import math
 import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from workers.vllm_ext import WeightSyncExtension
+from workers.weight_buckets import BucketPlan, gathered_buckets, pack_bucket, unpack_bucket
 
-ALIGN = 256  # every tensor starts on a 256-byte boundary of its bucket (a valid view for any dtype)
-DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-               "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 BACKENDS = ("nccl", "gloo")
-
-TensorSpec = tuple[str, Sequence[int], str]  # (name, shape, torch dtype name such as "bfloat16")
-
-
-@dataclass(frozen=True)
-class BucketPlan:
-    """Where each tensor of one bucket sits in the bucket's flat uint8 buffer. Sender and receivers hold the same
-    plan, so only the buffer itself crosses the wire."""
-
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[str, ...]
-    offsets: tuple[int, ...]  # byte offset of each tensor
-    nbytes: int  # buffer length: the aligned end of the last tensor
-
-
-def tensor_nbytes(name: str, shape: Sequence[int], dtype: str) -> int:
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"{name}: unsupported dtype {dtype!r}; supported: {sorted(DTYPE_BYTES)}")
-    if any(int(d) < 0 for d in shape):
-        raise ValueError(f"{name}: negative dimension in shape {tuple(shape)}")
-    return math.prod(int(d) for d in shape) * DTYPE_BYTES[dtype]
-
-
-def plan_buckets(specs: Sequence[TensorSpec], cap_bytes: int) -> list[BucketPlan]:
-    """Group tensors, in the given order, into consecutive buckets of at most ``cap_bytes`` (offsets aligned to
-    :data:`ALIGN`). A tensor larger than the cap gets a bucket of its own. Pure: no torch, no devices."""
-    if cap_bytes <= 0:
-        raise ValueError(f"bucket cap must be > 0 bytes, got {cap_bytes}")
-    seen: set[str] = set()
-    buckets: list[BucketPlan] = []
-    current: list[tuple[str, tuple[int, ...], str, int]] = []  # (name, shape, dtype, offset)
-    end = 0
-    for name, shape, dtype in specs:
-        if name in seen:
-            raise ValueError(f"tensor {name!r} appears twice in the weight specs")
-        seen.add(name)
-        size = tensor_nbytes(name, shape, dtype)
-        offset = -(-end // ALIGN) * ALIGN
-        if current and offset + size > cap_bytes:
-            buckets.append(_bucket(current, end))
-            current, offset = [], 0
-        current.append((name, tuple(int(d) for d in shape), dtype, offset))
-        end = offset + size
-    if current:
-        buckets.append(_bucket(current, end))
-    return buckets
-
-
-def _bucket(entries: list[tuple[str, tuple[int, ...], str, int]], end: int) -> BucketPlan:
-    names, shapes, dtypes, offsets = zip(*entries)
-    return BucketPlan(names, shapes, dtypes, offsets, -(-end // ALIGN) * ALIGN)
-
-
-def param_specs(named_params: Iterator[tuple[str, torch.Tensor]] | Sequence[tuple[str, torch.Tensor]]
-                ) -> list[TensorSpec]:
-    """Specs of a model's parameters (``module.named_parameters()``: tied weights appear once). Under ZeRO-3 a
-    parameter's local tensor is an empty shard; its full shape is ``ds_shape``."""
-    return [(name, tuple(getattr(p, "ds_shape", p.shape)), str(p.dtype).removeprefix("torch."))
-            for name, p in named_params]
-
-
-def pack_bucket(plan: BucketPlan, tensors: Sequence[torch.Tensor], device: torch.device | str = "cpu"
-                ) -> torch.Tensor:
-    """Copy the bucket's tensors (full, not ZeRO-3 shards: gather first) into one new uint8 buffer on ``device``."""
-    buf = torch.zeros(plan.nbytes, dtype=torch.uint8, device=device)
-    for name, shape, dtype, off, t in zip(plan.names, plan.shapes, plan.dtypes, plan.offsets, tensors, strict=True):
-        if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != dtype:
-            raise ValueError(f"{name}: planned {dtype}{list(shape)}, got {t.dtype}{list(t.shape)} (a ZeRO-3 "
-                             "parameter must be gathered before packing)")
-        nbytes = t.numel() * t.element_size()
-        buf[off: off + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
-    return buf
-
-
-def unpack_bucket(plan: BucketPlan, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """Named views into ``buf`` (no copy; valid while ``buf`` is alive)."""
-    out = []
-    for name, shape, dtype, off in zip(plan.names, plan.shapes, plan.dtypes, plan.offsets):
-        nbytes = tensor_nbytes(name, shape, dtype)
-        out.append((name, buf[off: off + nbytes].view(getattr(torch, dtype)).view(shape)))
-    return out
 
 
 def engine_rank_offset(engine_index: int, workers_per_engine: int) -> int:
@@ -211,13 +126,11 @@ def broadcast_weights(comm, plans: Sequence[BucketPlan], params: Mapping[str, to
     device = getattr(comm, "device", "cpu")
     sent = 0
     last = None
-    for plan in plans:
-        chunk = [params[name] for name in plan.names]
-        with gather(chunk) if gather is not None else contextlib.nullcontext():
-            if comm is not None:
-                last = pack_bucket(plan, chunk, device)
-                comm.broadcast(last, src=0)
-                sent += plan.nbytes
+    for plan, chunk in gathered_buckets(plans, params, gather):
+        if comm is not None:
+            last = pack_bucket(plan, chunk, device)
+            comm.broadcast(last, src=0)
+            sent += plan.nbytes
     if last is not None and last.is_cuda:
         torch.cuda.current_stream(last.device).synchronize()
     return sent

@@ -2,7 +2,7 @@
 
 ``generate`` takes prompts and returns G :class:`Sample` per prompt with token ids, per-token logprobs and
 the policy version of the weights that produced them. ``load_weights`` reloads the engine in place from
-buckets of tensors in Ray's object store (see :mod:`workers.vllm_ext`).
+weight buckets (:mod:`workers.weight_buckets`) in Ray's object store (see :mod:`workers.vllm_ext`).
 """
 
 from __future__ import annotations
@@ -98,13 +98,13 @@ class RolloutWorker(LoggedActor):
         """Reload the engine in place from packed buckets (ObjectRefs of :class:`Bucket`), fetched one at a time."""
         import ray
 
-        from workers.weight_buckets import unpack
+        from workers.weight_buckets import from_object
 
         t0 = time.perf_counter()
 
         def stream() -> Iterator:
             for ref in bucket_refs:
-                yield from unpack(ray.get(ref))
+                yield from from_object(ray.get(ref))
 
         loaded = self.llm.collective_rpc("fleetrl_reload_weights", args=(stream(),))
         self.llm.reset_prefix_cache()
