@@ -9,9 +9,8 @@
   prefixes application metrics with ``ray_``).
 - **Graceful stop.** ``fleetrl stop`` calls :meth:`FleetController.request_stop`; the driver finishes the step it
   is in, evaluates, writes the final policy and exits 0.
-- **Status.** :meth:`FleetController.status` returns the latest step's numbers while the run goes (``fleetrl scale``
-  and ``fleetrl stop`` poll it); ``fleetrl status`` reads the driver's status record (:mod:`orchestrator.run_status`),
-  which outlives the run.
+- **Status** is not kept here: ``fleetrl status``, ``scale`` and ``stop`` read the driver's status record
+  (:mod:`orchestrator.run_status`), which outlives the run.
 """
 
 from __future__ import annotations
@@ -54,7 +53,6 @@ class FleetController:
         self.run = run
         self._desired = {"rollout": rollout_workers, "reward": reward_workers}
         self._stop = False
-        self._status: dict = {"run": run, "started": time.time()}
         self._metrics = _make_metrics(run)
         self._totals: dict[str, float] = {}
 
@@ -67,6 +65,9 @@ class FleetController:
                 self._desired[role] = n
         return dict(self._desired)
 
+    def run_name(self) -> str:
+        return self.run
+
     def desired(self) -> dict:
         return {**self._desired, "stop": self._stop}
 
@@ -74,10 +75,11 @@ class FleetController:
         """Ask for a graceful stop: the driver ends at the next step boundary with a final eval, the final policy
         and the summary, and the job ends SUCCEEDED (``ray job stop`` kills it instead)."""
         self._stop = True
-        return self.status()
+        return self.desired()
 
     def report(self, metrics: dict) -> None:
-        """One step's metrics from the driver: export the fleetrl_* metrics and keep them for status."""
+        """One step's metrics from the driver: export the fleetrl_* metrics (the run's status record is the
+        driver's, :mod:`orchestrator.run_status`)."""
         for name, (kind, _, key) in METRICS.items():
             value = metrics.get(key)
             if value is None:
@@ -93,11 +95,6 @@ class FleetController:
                 m.set(self._totals[name])
             else:
                 m.observe(float(value))
-        self._status.update({k: v for k, v in metrics.items() if isinstance(v, (int, float, str))})
-        self._status["updated"] = time.time()
-
-    def status(self) -> dict:
-        return {**self._status, "desired": dict(self._desired)}
 
 
 def _make_metrics(run: str) -> dict:

@@ -125,21 +125,22 @@ def scale(rollout: int | None, reward: int | None, run: str | None, address: str
     Connects to the cluster as a Ray client (run it on a cluster node, or through `ray job submit`)."""
     if rollout is None and reward is None:
         raise ValueError("give --rollout N and/or --reward M")
-    ctl = _controller(run, address)
+    ctl, name = _controller(run, address)
     desired = _call(ctl.scale, rollout=rollout, reward=reward)
-    status, ended = _poll(ctl, _call(ctl.status), lambda s: _applied(s, desired), wait_s,
+    status, ended = _poll(name, lambda s: _applied(s, desired), wait_s,
                           f"the run did not reach {desired} (it applies a resize at the next step boundary)")
-    if ended:
+    if ended and not _applied(status, desired):
         raise LookupError(f"the run ended before the resize was applied (last step {status.get('step')})")
-    return {"desired": desired, "rollout_workers": status.get("rollout/workers"),
-            "reward_workers": status.get("reward/workers"), "step": status.get("step")}
+    return {"desired": desired, "rollout_workers": status.get("rollout_workers"),
+            "reward_workers": status.get("reward_workers"), "step": status.get("step")}
 
 
 def stop(run: str | None, address: str | None, wait_s: float) -> dict:
     """Graceful stop: the driver ends at the next step boundary (final eval, final policy, summary) and the job
     ends SUCCEEDED. With ``wait_s`` > 0, wait until the run has ended (its controller is gone)."""
-    ctl = _controller(run, address)
-    status, ended = _poll(ctl, _call(ctl.request_stop), lambda s: False, wait_s,
+    ctl, name = _controller(run, address)
+    _call(ctl.request_stop)
+    status, ended = _poll(name, lambda s: False, wait_s,
                           "the run did not end (it stops at the next step boundary, after a final eval)")
     return {"stopped": ended, "step": status.get("step")}
 
@@ -168,10 +169,12 @@ def _connect(address: str | None) -> None:
 
 
 def _controller(run: str | None, address: str | None):
+    """The run's controller actor and the run's name."""
     from orchestrator.controller import get_controller
 
     _connect(address)
-    return get_controller(run)
+    handle = get_controller(run)
+    return handle, run or _call(handle.run_name)
 
 
 def _call(method, **kwargs):
@@ -184,21 +187,22 @@ def _call(method, **kwargs):
         raise LookupError("the run ended (its controller is gone)") from None
 
 
-def _poll(ctl, status: dict, done, wait_s: float, what: str) -> tuple[dict, bool]:
-    """Re-read the controller's status every 0.5 s until ``done(status)``, for at most ``wait_s`` (then
-    TimeoutError naming ``what``). Returns the last status and whether the run ended (controller gone) meanwhile."""
+def _poll(run: str, done, wait_s: float, what: str) -> tuple[dict, bool]:
+    """Re-read the run's status record (:mod:`orchestrator.run_status`) every 0.5 s until ``done(status)`` or the
+    run ended, for at most ``wait_s`` (then TimeoutError naming ``what``). Returns the last status and whether the
+    run has ended."""
+    from orchestrator.run_status import read_status
+
     deadline = time.monotonic() + wait_s
-    while wait_s > 0 and not done(status):
+    status = read_status(run) or {}
+    while wait_s > 0 and not done(status) and status.get("state", "running") == "running":
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} within {wait_s:.0f}s; now: step {status.get('step')}, "
-                               f"{status.get('rollout/workers')} rollout, {status.get('reward/workers')} reward")
+                               f"{status.get('rollout_workers')} rollout, {status.get('reward_workers')} reward")
         time.sleep(0.5)
-        try:
-            status = _call(ctl.status)
-        except LookupError:
-            return status, True
-    return status, False
+        status = read_status(run) or {}
+    return status, status.get("state", "running") != "running"
 
 
 def _applied(status: dict, desired: dict) -> bool:
-    return status.get("rollout/workers") == desired["rollout"] and status.get("reward/workers") == desired["reward"]
+    return status.get("rollout_workers") == desired["rollout"] and status.get("reward_workers") == desired["reward"]

@@ -151,12 +151,10 @@ class DatasetTask(Task):
     def _prompt(uid: str, row: tuple[str, str]) -> Prompt:
         return Prompt(uid=uid, text=row[0], metadata={"answer": row[1]})
 
-    def train_batch(self, step: int, n: int, round_: int = 0) -> list[Prompt]:
-        rng = random.Random(f"{self.seed}:{step}" + (f":{round_}" if round_ else ""))
+    def draw_train(self, rng: random.Random, n: int) -> list[tuple[str, dict]]:
         idx = rng.sample(range(len(self.train_rows)), n) if n <= len(self.train_rows) else \
             [rng.randrange(len(self.train_rows)) for _ in range(n)]
-        tag = f"s{step}" + (f"r{round_}" if round_ else "")
-        return [self._prompt(f"{tag}-{i}", self.train_rows[j]) for i, j in enumerate(idx)]
+        return [(p.text, p.metadata) for p in (self._prompt("", self.train_rows[j]) for j in idx)]
 
     def eval_set(self, n: int) -> list[Prompt]:
         return [self._prompt(f"eval-{i}", row) for i, row in enumerate(self.eval_rows[:n])]

@@ -57,10 +57,22 @@ class Task:
     :func:`rewards.functions.is_correct`; :attr:`verifier_fn` is that function, loaded once."""
 
     verifier: str
+    seed: int
 
     @functools.cached_property
     def verifier_fn(self) -> RewardFn:
         return load_reward_function(self.verifier)
+
+    def train_batch(self, step: int, n: int, round_: int = 0) -> list[Prompt]:
+        """The ``n`` training prompts of ``step`` (extra sampling rounds draw fresh ones), uids
+        ``s<step>[r<round>]-<i>``: a pure function of (seed, step, round), so resume is exact."""
+        rng = random.Random(f"{self.seed}:{step}" + (f":{round_}" if round_ else ""))
+        tag = f"s{step}" + (f"r{round_}" if round_ else "")
+        return [Prompt(f"{tag}-{i}", text, meta) for i, (text, meta) in enumerate(self.draw_train(rng, n))]
+
+    def draw_train(self, rng: random.Random, n: int) -> list[tuple[str, dict]]:
+        """``n`` training (prompt text, metadata) pairs drawn with ``rng``."""
+        raise NotImplementedError
 
 
 class ArithmeticTask(Task):
@@ -97,12 +109,9 @@ class ArithmeticTask(Task):
             if not self.is_eval_pair(a, b):
                 return a, b
 
-    def train_batch(self, step: int, n: int, round_: int = 0) -> list[Prompt]:
-        """The ``n`` training prompts of ``step`` (extra sampling rounds draw fresh ones); a pure function of
-        (seed, step, round), so resume is exact."""
-        rng = random.Random(f"{self.seed}:{step}" + (f":{round_}" if round_ else ""))
-        tag = f"s{step}" + (f"r{round_}" if round_ else "")
-        return [self.make(f"{tag}-{i}", *self._draw_pair(rng)) for i in range(n)]
+    def draw_train(self, rng: random.Random, n: int) -> list[tuple[str, dict]]:
+        out = [self.make("", *self._draw_pair(rng)) for _ in range(n)]
+        return [(p.text, p.metadata) for p in out]
 
     def eval_set(self, n: int) -> list[Prompt]:
         """A fixed held-out set of ``n`` prompts (independent of the run seed)."""
@@ -156,11 +165,8 @@ class GeneratedTask(Task):
         raise ValueError(f"task {self.name!r}: no {split} problem in {self.max_draws} draws; the settings leave "
                          f"too few problems to split (raise {self.widen_hint})")
 
-    def train_batch(self, step: int, n: int, round_: int = 0) -> list[Prompt]:
-        """The ``n`` training prompts of ``step``; extra sampling rounds draw fresh ones."""
-        rng = random.Random(f"{self.seed}:{step}" + (f":{round_}" if round_ else ""))
-        tag = f"s{step}" + (f"r{round_}" if round_ else "")
-        return [Prompt(f"{tag}-{i}", *self._draw_from_split(rng, held_out=False)[1:]) for i in range(n)]
+    def draw_train(self, rng: random.Random, n: int) -> list[tuple[str, dict]]:
+        return [self._draw_from_split(rng, held_out=False)[1:] for _ in range(n)]
 
     def eval_set(self, n: int) -> list[Prompt]:
         """Up to ``n`` distinct held-out prompts, fixed for given task settings."""
