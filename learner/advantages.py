@@ -105,13 +105,15 @@ def compute_rloo(rewards: Tensor, group_ids: Tensor, mask: Tensor) -> Tensor:
 
 
 def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
-    """Return-to-go ``G_t = r_t + gamma * G_{t+1}`` over valid tokens, 0 beyond the last one. ``[B, T]``."""
+    """Return-to-go ``G_t = r_t + gamma * G_{t+1}`` over valid tokens, 0 beyond the last one. ``[B, T]``.
+    ``t + 1`` is the next *valid* token: masked positions inside a sequence (a multi-turn episode's observations)
+    are skipped, not counted as steps, so the result equals that of the sequence with them removed."""
     out = torch.zeros_like(token_rewards)
     running = torch.zeros_like(token_rewards[:, 0])
-    m = mask.to(token_rewards.dtype)
+    valid = mask > 0
     for t in range(token_rewards.shape[1] - 1, -1, -1):
-        running = (token_rewards[:, t] + gamma * running) * m[:, t]
-        out[:, t] = running
+        running = torch.where(valid[:, t], token_rewards[:, t] + gamma * running, running)
+        out[:, t] = running * valid[:, t]
     return out
 
 
@@ -120,17 +122,20 @@ def compute_gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: floa
                 whiten: bool = False) -> tuple[Tensor, Tensor]:
     """GAE (Schulman et al. 2016; seed 000 §GAE, seed 002 backward loop):
     ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lam * A_{t+1}``; V beyond the last valid
-    token is 0. Returns ``(advantages, returns)`` with ``returns = advantages + values`` (before whitening)."""
+    token is 0. Returns ``(advantages, returns)`` with ``returns = advantages + values`` (before whitening).
+    ``t + 1`` is the next *valid* token: masked positions inside a sequence (a multi-turn episode's observations)
+    are skipped, so the result equals that of the sequence with them removed."""
     m = mask.to(values.dtype)
+    valid = mask > 0
     vals = values * m
     adv = torch.zeros_like(vals)
     last = torch.zeros_like(vals[:, 0])
-    T = vals.shape[1]
-    for t in range(T - 1, -1, -1):
-        next_v = vals[:, t + 1] if t + 1 < T else torch.zeros_like(last)
+    next_v = torch.zeros_like(last)
+    for t in range(vals.shape[1] - 1, -1, -1):
         delta = token_rewards[:, t] + gamma * next_v - vals[:, t]
-        last = (delta + gamma * lam * last) * m[:, t]
-        adv[:, t] = last
+        last = torch.where(valid[:, t], delta + gamma * lam * last, last)
+        next_v = torch.where(valid[:, t], vals[:, t], next_v)
+        adv[:, t] = last * m[:, t]
     returns = (adv + vals) * m
     if whiten:
         adv = masked_whiten(adv, mask)

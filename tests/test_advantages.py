@@ -135,6 +135,28 @@ def test_gae_matches_loop_and_treats_padding_as_terminal():
     assert abs(valid.mean().item()) < 1e-6 and abs(valid.std(unbiased=False).item() - 1) < 1e-4
 
 
+def test_token_level_estimators_skip_masked_positions_inside_a_sequence():
+    """A multi-turn episode: observation tokens (mask 0) sit between turns. GAE and the return-to-go must skip them
+    (the next step of a turn's last token is the next turn's first token), i.e. equal the sequence with them removed,
+    and be 0 on them."""
+    g = torch.Generator().manual_seed(2)
+    r, v = torch.randn(3, 9, generator=g, dtype=torch.float64), torch.randn(3, 9, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 1, 0], [1, 0, 1, 0, 1, 0, 1, 0, 0], [1] * 9], dtype=torch.float64)
+    adv, ret = compute_gae(r, v, mask, 0.9, 0.7)
+    _, returns = compute_reinforce_pp(r, mask, gamma=0.8)
+    for i in range(3):
+        keep = mask[i].bool()
+        loop = _gae_loop(r[i, keep].tolist(), v[i, keep].tolist(), 0.9, 0.7)
+        assert torch.allclose(adv[i, keep], torch.tensor(loop, dtype=torch.float64))
+        assert torch.allclose(ret[i, keep], adv[i, keep] + v[i, keep])
+        running, expected = 0.0, []
+        for x in reversed(r[i, keep].tolist()):
+            running = x + 0.8 * running
+            expected.append(running)
+        assert torch.allclose(returns[i, keep], torch.tensor(expected[::-1], dtype=torch.float64))
+        assert torch.all(adv[i, ~keep] == 0) and torch.all(returns[i, ~keep] == 0)
+
+
 def test_reinforce_pp_whitened_return_to_go():
     r = torch.tensor([[0.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
     mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
