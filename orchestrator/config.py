@@ -46,10 +46,11 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    task: Literal["arithmetic", "countdown", "multi"] = "arithmetic"
+    task: Literal["arithmetic", "countdown", "multi", "multiply"] = "arithmetic"
     """Built-in prompt generator (used when `path` is not set): `arithmetic` (`a+b=`, reward `math`),
     `countdown` (TinyZero Countdown, reward `countdown`), `multi` (two-operation arithmetic for multi-reward
-    GDPO: `math` + `format` + `length`). See the README, "Rewards, tasks and datasets"."""
+    GDPO: `math` + `format` + `length`), `multiply` (3-digit by 2-digit products: the tool task for multi-turn
+    `env` episodes with the calculator). See the README, "Rewards, tasks and datasets"."""
     path: str | None = None
     """A dataset to train on instead of the built-in task: JSONL (one JSON object per line) or, for a path
     ending in `.parquet`, a Parquet file."""

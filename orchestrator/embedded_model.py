@@ -15,15 +15,17 @@ from pathlib import Path
 import torch
 
 CHARS = list("0123456789+-*=() ")
+TOOL_CHARS = CHARS + list("[]{}")
+"""The calculator model's characters: a tool call is ``[expression]``, its observation ``{result}``."""
 SPECIALS = ["<pad>", "<eos>", "<bos>"]
 
 
-def build_tokenizer():
+def build_tokenizer(chars: list[str] = CHARS):
     """Character-level tokenizer (tokenizers library) wrapped as a transformers fast tokenizer."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -45,18 +47,28 @@ def build_model(vocab_size: int, seed: int):
     return Qwen2ForCausalLM(cfg)
 
 
-def _encode_pairs(tokenizer, pairs: list[tuple[str, str]]):
-    """Right-padded ids with loss only on the completion and its EOS."""
-    rows = [tokenizer(p)["input_ids"] for p, _ in pairs]
-    comps = [tokenizer(c)["input_ids"] + [tokenizer.eos_token_id] for _, c in pairs]
+def _encode_pairs(tokenizer, pairs: list[tuple[str, str | list[tuple[str, bool]]]]):
+    """Right-padded ids with loss only on the completion and its EOS. A completion is a string, or segments
+    ``(text, trainable)`` (a tool demonstration: the observation the environment would append is not trained)."""
+    rows, comps, trained = [], [], []
+    for prompt, completion in pairs:
+        segments = [(completion, True)] if isinstance(completion, str) else completion
+        ids, mask = [], []
+        for text, trainable in segments:
+            seg = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids += seg
+            mask += [trainable] * len(seg)
+        rows.append(tokenizer(prompt)["input_ids"])
+        comps.append(ids + [tokenizer.eos_token_id])
+        trained.append(mask + [True])
     width = max(len(r) + len(c) for r, c in zip(rows, comps))
     ids = torch.full((len(rows), width), tokenizer.pad_token_id)
     labels = torch.full((len(rows), width), -100)
     attn = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (r, c) in enumerate(zip(rows, comps)):
+    for i, (r, c, m) in enumerate(zip(rows, comps, trained)):
         seq = r + c
         ids[i, : len(seq)] = torch.tensor(seq)
-        labels[i, len(r): len(seq)] = torch.tensor(c)
+        labels[i, len(r): len(seq)] = torch.where(torch.tensor(m), torch.tensor(c), -100)
         attn[i, : len(seq)] = 1
     return ids, labels, attn
 
@@ -85,26 +97,27 @@ def greedy_accuracy(model, tokenizer, prompts: list[str], answers: list[str], ma
     return sum(t.strip() == a for t, a in zip(texts, answers)) / len(prompts)
 
 
-def init_model(out_dir: str | Path, seed: int = 0, target_accuracy: float = 0.2, max_steps: int = 2000,
-               lr: float = 1e-3, batch_size: int = 256, log=print) -> dict:
+def init_model(out_dir: str | Path, seed: int = 0, target_accuracy: float | None = 0.2, max_steps: int = 2000,
+               lr: float = 1e-3, batch_size: int = 256, log=print, kind: str = "arith") -> dict:
     """Build, then warm-start (AdamW, linear warmup then constant LR) until the held-out greedy accuracy,
-    checked every 25 steps, reaches ``target_accuracy``; save. Returns a summary."""
-    from rewards.tasks import ArithmeticTask
-
+    checked every 25 steps, reaches ``target_accuracy`` (None: run ``max_steps``); save. Returns a summary.
+    ``kind``: ``arith`` (the default model, addition) or ``calc`` (the tool model: multiplication, a minority of
+    demonstrations calling the calculator, see :data:`KINDS`)."""
+    if kind not in KINDS:
+        raise ValueError(f"embedded model kind {kind!r}; valid: {sorted(KINDS)}")
+    chars, examples, evals = KINDS[kind]()
     torch.set_num_threads(2)
     out_dir = Path(out_dir)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(chars)
     model = build_model(len(tokenizer), seed)
-    task = ArithmeticTask()
-    evals = task.eval_set(200)
     ev_prompts, ev_answers = [p.text for p in evals], [p.metadata["answer"] for p in evals]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
     rng = random.Random(seed)
     t0, acc, step = time.time(), greedy_accuracy(model, tokenizer, ev_prompts, ev_answers), 0
     log(f"init-model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params, step 0 acc {acc:.3f}")
-    while acc < target_accuracy and step < max_steps:
-        ids, labels, attn = _encode_pairs(tokenizer, task.sft_examples(rng, batch_size))
+    while (target_accuracy is None or acc < target_accuracy) and step < max_steps:
+        ids, labels, attn = _encode_pairs(tokenizer, examples(rng, batch_size))
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad()
         loss.backward()
@@ -114,7 +127,7 @@ def init_model(out_dir: str | Path, seed: int = 0, target_accuracy: float = 0.2,
         step += 1
         if step % 25 == 0:
             acc = greedy_accuracy(model, tokenizer, ev_prompts, ev_answers)
-            if step % 100 == 0 or acc >= target_accuracy:
+            if step % 100 == 0 or (target_accuracy is not None and acc >= target_accuracy):
                 log(f"init-model: step {step} loss {loss.item():.3f} greedy eval acc {acc:.3f}")
     model.eval()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -128,6 +141,29 @@ def init_model(out_dir: str | Path, seed: int = 0, target_accuracy: float = 0.2,
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    summary = {"steps": step, "greedy_eval_accuracy": acc, "seconds": round(time.time() - t0, 1), "seed": seed}
+    summary = {"kind": kind, "steps": step, "greedy_eval_accuracy": acc, "seconds": round(time.time() - t0, 1),
+               "seed": seed}
     (out_dir / "fleetrl_init.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _arith():
+    from rewards.tasks import ArithmeticTask
+
+    task = ArithmeticTask()
+    return CHARS, task.sft_examples, task.eval_set(200)
+
+
+CALC_TOOL_FRACTION = 0.2
+"""Share of the calculator model's warm-start demonstrations that call the tool (the rest answer directly)."""
+
+
+def _calc():
+    from rewards.tasks import MultiplyTask
+
+    task = MultiplyTask()
+    return TOOL_CHARS, lambda rng, n: task.sft_examples(rng, n, CALC_TOOL_FRACTION), task.eval_set(200)
+
+
+KINDS = {"arith": _arith, "calc": _calc}
+"""Embedded model kind -> (its characters, warm-start examples ``(rng, n)``, held-out prompts)."""

@@ -339,7 +339,51 @@ class MultiTask(GeneratedTask):
         return expr, text, {"answer": answer}
 
 
-TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "multi": MultiTask}
+class MultiplyTask(GeneratedTask):
+    """Multiplication of a 3-digit by a 2-digit number: the built-in tool task (issue #13). Hard to do in one's
+    head for a small model, trivial with the calculator tool: ``347*58=`` -> the model writes the call
+    ``[347*58]``, the environment appends the observation ``{20126}``, the model answers ``20126``.
+
+    ``prompt_style="compact"``: ``a*b=`` in the embedded tool model's characters; ``"text"``: the question in
+    words, for chat models (which call the tool through their chat template). The split is decided by ``a*b``.
+    metadata: ``{"answer": str(a * b), "a": a, "b": b}``.
+    """
+
+    name = "multiply"
+    config_fields = {"seed": "seed", "prompt_style": "prompt_style"}
+    widen_hint = "nothing (the ranges are fixed)"
+    verifier = "math"
+    default_style = "compact"
+
+    def __init__(self, seed: int = 0, prompt_style: PromptStyle = "compact"):
+        _check_style(self.name, prompt_style)
+        self.seed, self.prompt_style = seed, prompt_style
+
+    def draw(self, rng: random.Random, held_out: bool) -> tuple[str, str, dict] | None:
+        a, b = rng.randint(100, 999), rng.randint(10, 99)
+        key = f"{a}*{b}"
+        if not self.in_split(key, held_out):
+            return None
+        text = f"{key}=" if self.prompt_style == "compact" else (
+            f"What is {a} * {b}? Use the calculator tool, then reply with the number only.")
+        return key, text, {"answer": str(a * b), "a": a, "b": b}
+
+    def sft_examples(self, rng: random.Random, n: int, tool_fraction: float) -> list[tuple[str, list]]:
+        """Warm-start demonstrations in the compact style: ``(prompt, [(text, trainable), ...])``. A
+        ``tool_fraction`` of them call the calculator (the observation segment is not trained on); the rest answer
+        directly with the true product."""
+        out = []
+        for _ in range(n):
+            _, text, meta = self._draw_from_split(rng, held_out=False)
+            call = f"{meta['a']}*{meta['b']}"
+            if rng.random() < tool_fraction:
+                out.append((text, [(f"[{call}]", True), (f"{{{meta['answer']}}}", False), (meta["answer"], True)]))
+            else:
+                out.append((text, [(meta["answer"], True)]))
+        return out
+
+
+TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "multi": MultiTask, "multiply": MultiplyTask}
 
 
 def make_task(name: str, **kwargs) -> ArithmeticTask | GeneratedTask:
