@@ -41,12 +41,18 @@ class AdvantageInputs:
     step_ends: Tensor | None = None  # [B, S] token index where each step ends, -1 for absent steps
     old_logprobs: Tensor | None = None  # [B, T] policy logprobs before the update
     ref_logprobs: Tensor | None = None  # [B, T] reference logprobs
+    turn_rewards: Tensor | None = None  # [B, T] multi-turn episodes: each turn's reward on its last token
 
     def outcome_token_rewards(self) -> Tensor:
-        """``[B, T]``: the outcome reward on each sequence's last valid token, 0 elsewhere."""
+        """``[B, T]``: the outcome reward on each sequence's last valid token, 0 elsewhere. For multi-turn
+        episodes ``rewards`` is the episode's return (outcome + every turn's reward): the turn rewards stay on
+        their turns' last tokens and the rest goes on the last token."""
         m = self.mask.to(self.rewards.dtype)
         last = (m.cumsum(-1) == m.sum(-1, keepdim=True)) & (m > 0)
-        return self.rewards[:, None] * last.to(self.rewards.dtype)
+        if self.turn_rewards is None:
+            return self.rewards[:, None] * last.to(self.rewards.dtype)
+        outcome = self.rewards - self.turn_rewards.sum(-1)
+        return outcome[:, None] * last.to(self.rewards.dtype) + self.turn_rewards
 
 
 def _group_stats(values: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:

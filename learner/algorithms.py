@@ -44,13 +44,23 @@ def critic_loss_kwargs(cfg) -> dict:
 
 def advantage_inputs(rewards: Sequence[float], components: Sequence[dict[str, float]], prompt_uids: Sequence[str],
                      mask: Tensor, values: Tensor | None = None, old_logprobs: Tensor | None = None,
-                     ref_logprobs: Tensor | None = None, steps: tuple[Tensor, Tensor] | None = None) -> AdvantageInputs:
+                     ref_logprobs: Tensor | None = None, steps: tuple[Tensor, Tensor] | None = None,
+                     turns: Sequence[tuple[list[int], list[float]]] | None = None) -> AdvantageInputs:
     """The driver's view of a scored batch: summed rewards, the named components (sorted by name; a component a
-    sample lacks is 0), one group id per distinct prompt uid (in order of first appearance)."""
+    sample lacks is 0), one group id per distinct prompt uid (in order of first appearance). ``turns``: for
+    multi-turn episodes, each sample's (turn end indices, turn rewards); the rewards become part of the episode's
+    return (``rewards`` += their sum) and sit on their turns' last tokens for token-level estimators."""
     names = sorted({k for c in components for k in c})
     index: dict[str, int] = {}
+    turn_rewards = None
+    if turns is not None:
+        turn_rewards = torch.zeros_like(mask, dtype=torch.float32)
+        for i, (ends, per_turn) in enumerate(turns):
+            for end, value in zip(ends, per_turn):
+                turn_rewards[i, end] += value
+        rewards = [r + float(t.sum()) for r, t in zip(rewards, turn_rewards)]
     return AdvantageInputs(
-        rewards=torch.tensor(list(rewards), dtype=torch.float32),
+        rewards=torch.tensor(list(rewards), dtype=torch.float32), turn_rewards=turn_rewards,
         components=torch.tensor([[c.get(n, 0.0) for n in names] for c in components], dtype=torch.float32),
         component_names=names, group_ids=torch.tensor([index.setdefault(u, len(index)) for u in prompt_uids]),
         mask=mask, values=values, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,

@@ -67,8 +67,10 @@ class TrainBatch:
 
 
 def build_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], rollout_logprobs: list[list[float]],
-                pad_id: int) -> TrainBatch:
-    """Pack variable-length prompts and completions into the left|right padded layout."""
+                pad_id: int, loss_masks: list[list[int] | None] | None = None) -> TrainBatch:
+    """Pack variable-length prompts and completions into the left|right padded layout. ``loss_masks[i]`` (one
+    entry per completion token, or None for all ones) marks which completion tokens are trained: a multi-turn
+    episode's completion interleaves sampled turns (1) with observations and template glue (0)."""
     B = len(prompt_ids)
     P = max(len(p) for p in prompt_ids)
     T = max(1, max(len(c) for c in completion_ids))
@@ -81,8 +83,11 @@ def build_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], ro
         attn[i, P - len(p): P + len(c)] = 1
         if c:
             ids[i, P: P + len(c)] = torch.tensor(c, dtype=torch.long)
-            mask[i, : len(c)] = 1.0
-            lps[i, : len(c)] = torch.tensor(lp)
+            lm = loss_masks[i] if loss_masks is not None else None
+            if lm is not None and not len(lm) == len(c) == len(lp):
+                raise ValueError(f"sample {i}: {len(c)} completion ids, {len(lp)} logprobs, {len(lm)} mask entries")
+            mask[i, : len(c)] = 1.0 if lm is None else torch.tensor(lm, dtype=mask.dtype)
+            lps[i, : len(c)] = torch.tensor(lp) * mask[i, : len(c)]
     return TrainBatch(input_ids=ids, attention_mask=attn, prompt_len=P, response_mask=mask, rollout_logprobs=lps)
 
 

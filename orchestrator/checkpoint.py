@@ -16,7 +16,7 @@ import json
 import shutil
 from pathlib import Path
 
-from workers.records import Sample, ScoredSample
+from workers.records import EpisodeStats, Sample, ScoredSample
 
 MARKER = "COMPLETE"
 
@@ -58,8 +58,13 @@ def load_in_flight(path: Path) -> tuple[list[ScoredSample], int, dict] | None:
     if not file.exists():
         return None
     record = json.loads(file.read_text())
-    scored = [ScoredSample(Sample(**x["sample"]), x["reward"], x["components"]) for x in record["scored"]]
+    scored = [ScoredSample(_sample(x["sample"]), x["reward"], x["components"]) for x in record["scored"]]
     return scored, record["reward_errors"], record["sampling"]
+
+
+def _sample(fields: dict) -> Sample:
+    episode = fields.get("episode")
+    return Sample(**{**fields, "episode": EpisodeStats(**episode) if episode else None})
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:

@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from orchestrator.config import EMBEDDED_MODEL_PATH, ConfigError, FleetConfig, dump_config, load_config
+from orchestrator.config import CALC_MODEL_PATH, EMBEDDED_MODEL_PATH, ConfigError, FleetConfig, dump_config, load_config
 from rewards.datasets import DatasetError
 
 
@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--gguf", metavar="FILE", help="a GGUF file (needs --out)")
     im.add_argument("--out", help=f"model directory (default: {EMBEDDED_MODEL_PATH}; .fleetrl/models/NAME with --from)")
     im.add_argument("--seed", type=int, default=0, help="embedded model only")
+    im.add_argument("--kind", choices=sorted(KIND_ARGS), default="arith",
+                    help=f"embedded model only: arith (default, {EMBEDDED_MODEL_PATH}) or calc (the calculator tool "
+                    f"model, {CALC_MODEL_PATH})")
     im.add_argument("--target-accuracy", type=float, default=0.2,
                     help="embedded model only: stop the warm start at this accuracy")
     im.add_argument("--force", action="store_true", help="rebuild even if it exists")
@@ -121,16 +124,22 @@ def _eval_command(args, cfg: FleetConfig) -> int:
     return 0
 
 
+KIND_ARGS = {"arith": {"kind": "arith"}, "calc": {"kind": "calc", "target_accuracy": None, "max_steps": 300}}
+"""How each embedded model is warm-started: the default to a target accuracy, the calculator model for a fixed
+number of steps (its demonstrations teach the tool format; accuracy without the tool stays near 0)."""
+
+
 def ensure_model(cfg: FleetConfig) -> None:
     """Build the embedded model when it is the configured one and missing; fail clearly for other paths."""
     path = Path(cfg.model.path)
     if (path / "config.json").exists():
         return
-    if cfg.model.path == EMBEDDED_MODEL_PATH:
+    if cfg.model.path in (EMBEDDED_MODEL_PATH, CALC_MODEL_PATH):
         from orchestrator.embedded_model import init_model
 
-        print(f"embedded model missing: building it in {path} (fleetrl init-model)", flush=True)
-        init_model(path, seed=cfg.model.init_seed)
+        kind = "calc" if cfg.model.path == CALC_MODEL_PATH else "arith"
+        print(f"embedded model missing: building it in {path} (fleetrl init-model --kind {kind})", flush=True)
+        init_model(path, seed=cfg.model.init_seed, **KIND_ARGS[kind])
         return
     raise ConfigError(f"model.path: {cfg.model.path!r} is not a model directory (no config.json there); "
                       f"give a local HF model directory, or leave the default {EMBEDDED_MODEL_PATH!r}")
@@ -144,14 +153,18 @@ def _init_model(args) -> int:
         print("fleetrl: init-model --gguf FILE needs --out DIR", file=sys.stderr)
         return 2
     real = args.from_name is not None or args.gguf is not None
-    out = Path(args.out or (model_import.default_dir(args.from_name) if real else EMBEDDED_MODEL_PATH))
+    embedded = CALC_MODEL_PATH if args.kind == "calc" else EMBEDDED_MODEL_PATH
+    out = Path(args.out or (model_import.default_dir(args.from_name) if real else embedded))
     if (out / "config.json").exists() and not args.force:
         print(f"{out} exists (use --force to rebuild)")
         return 0
     if not real:
         from orchestrator.embedded_model import init_model
 
-        print(init_model(out, seed=args.seed, target_accuracy=args.target_accuracy))
+        kwargs = dict(KIND_ARGS[args.kind])
+        if args.kind == "arith":
+            kwargs["target_accuracy"] = args.target_accuracy
+        print(init_model(out, seed=args.seed, **kwargs))
         return 0
     try:
         gguf = args.gguf or model_import.packaged_gguf(args.from_name)

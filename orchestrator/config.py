@@ -33,6 +33,8 @@ from orchestrator.algorithms import (  # noqa: F401 - re-exported: the algorithm
 from orchestrator.section import Section
 
 EMBEDDED_MODEL_PATH = ".fleetrl/models/arith-base"
+CALC_MODEL_PATH = ".fleetrl/models/calc-base"
+"""The embedded calculator model (the tool task, ``configs/tool_calc.yaml``), built on first use like the default."""
 
 
 class ModelConfig(Section):
@@ -355,6 +357,42 @@ class RFTConfig(Section):
     """A sample is kept when its summed reward is >= this (1.0 with the `math` reward: a correct answer)."""
 
 
+class EnvConfig(Section):
+    """Multi-turn episodes (agentic RL): with `name` set, each of a prompt's G samples is an episode of an
+    environment instead of one completion (see docs/agents.md)."""
+
+    name: str | None = None
+    """None: single-turn (one prompt -> one completion). `tool`: the stock tool environment (the model calls the
+    `tools`, each result is appended as an observation; a turn without a tool call ends the episode), or a
+    registered environment name, or `package.module:Class` of your own `workers.envs.Environment`."""
+    tools: list[str] = Field(default_factory=lambda: ["calculator"])
+    """Tools of the `tool` environment: `calculator` (arithmetic, an AST whitelist), `python` (runs code in the
+    namespace sandbox, `rewards/sandbox.py`), or `package.module:tool` (a `workers.envs.Tool`)."""
+    renderer: Literal["auto", "text", "chat"] = "auto"
+    """How messages become tokens. `chat`: the tokenizer's chat template (hermes `<tool_call>` JSON; a template
+    that re-renders earlier turns is refused); `text`: plain text with delimiters (`[call]` / `{result}`, the
+    embedded calculator model); `auto`: `chat` when the tokenizer has a chat template."""
+    max_turns: int = Field(4, ge=1, le=1000)
+    """Assistant turns per episode; an episode still going after them ends with reason `max_turns`."""
+    max_tool_calls: int = Field(4, ge=0, le=1000)
+    """Tool calls per episode; past it the episode ends with reason `max_tool_calls`."""
+    max_total_tokens: int = Field(64, ge=8, le=1_048_576)
+    """Token budget of an episode: prompt + every turn + every observation (also the engines' context length).
+    A turn is cut to what is left; an observation that would overflow ends the episode (`max_total_tokens`)."""
+    episode_timeout_s: float = Field(60.0, gt=0.0)
+    """Wall-clock limit of one episode (reason `timeout`; the episode counts as errored)."""
+    tool_timeout_s: float = Field(5.0, gt=0.0)
+    """Per tool call: a call running longer becomes an error observation; the episode goes on."""
+    max_tool_output_chars: int = Field(2000, ge=16)
+    """A tool's output is cut to this many characters (marked as cut)."""
+    errored: Literal["drop_group", "keep"] = "drop_group"
+    """Episodes that errored (the environment raised, or the episode timed out): `drop_group` gives their whole
+    group zero loss and leaves it out of the reward statistics (no biased baseline); `keep` scores them as they
+    are."""
+    args: dict = Field(default_factory=dict)
+    """Keyword arguments for the environment's constructor."""
+
+
 class FleetConfig(Section):
     """The whole run."""
 
@@ -367,6 +405,7 @@ class FleetConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     rft: RFTConfig = Field(default_factory=RFTConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
 
     @property
     def engine_dtype(self) -> str:

@@ -164,10 +164,17 @@ class RolloutPool(ActorPool):
             ray.get(worker.load_weights.remote(buckets, self.version))
 
     def generate(self, prompts: list[Prompt], group_size: int, temperature: float, seed: int | None) -> list[Sample]:
+        """``group_size`` samples per prompt, grouped by prompt: completions, or with ``env.name`` set multi-turn
+        episodes (each sample one episode, :meth:`RolloutWorker.run_episodes`)."""
         r = self.cfg.rollout
         parts = _chunks([(p.uid, p.text, p.metadata) for p in prompts], len(self.workers))
-        outs = self.fan_out(
-            lambda w, part: w.generate.remote(part, group_size, r.max_new_tokens, temperature, r.top_p, seed), parts)
+        if self.cfg.env.name:
+            env = self.cfg.env.model_dump()
+            outs = self.fan_out(lambda w, part: w.run_episodes.remote(part, group_size, env, r.max_new_tokens,
+                                                                      temperature, r.top_p, seed), parts)
+        else:
+            outs = self.fan_out(lambda w, part: w.generate.remote(part, group_size, r.max_new_tokens, temperature,
+                                                                  r.top_p, seed), parts)
         return [s for out in outs for s in out]
 
     def probe(self, prompts: list[Prompt], max_new_tokens: int, seed: int) -> list[Sample]:

@@ -344,6 +344,8 @@ class Trainer:
                 (kept if informative else spare).append(group)
         groups = (kept + spare)[:need]
         info = {"sampling/rounds": rounds, "sampling/informative_groups": len(kept)}
+        if cfg.env.name:
+            info["env/dropped_groups"] = drop_errored_groups(groups) if cfg.env.errored == "drop_group" else 0
         return [x for grp in groups for x in grp], errors, info
 
     def learn(self, batch: TrainBatch) -> dict:
@@ -370,9 +372,12 @@ class Trainer:
 
     def advantages(self, scored: list[ScoredSample], batch: TrainBatch, steps=None):
         """Per-token (advantages, returns) from the configured algorithm (:mod:`learner.algorithms`)."""
+        turns = [(x.sample.episode.turn_ends, x.sample.episode.turn_rewards) for x in scored] \
+            if self.cfg.env.name else None
         inputs = advantage_inputs([s.reward for s in scored], [s.components for s in scored],
                                   [s.sample.prompt_uid for s in scored], batch.response_mask, values=batch.old_values,
-                                  old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs, steps=steps)
+                                  old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs, steps=steps,
+                                  turns=turns)
         return assemble_advantages(self.cfg.algorithm, inputs)
 
     def push_weights(self) -> dict:
@@ -385,7 +390,10 @@ class Trainer:
         t0 = time.perf_counter()
         samples = self.rollouts.generate(self.eval_prompts, 1, temperature=0.0, seed=None)
         correct = [is_correct(self.task.verifier_fn, s.prompt_text, s.completion_text, s.metadata) for s in samples]
-        return {"eval/accuracy": sum(correct) / len(correct), "time/eval_s": time.perf_counter() - t0}
+        out = {"eval/accuracy": sum(correct) / len(correct), "time/eval_s": time.perf_counter() - t0}
+        if self.cfg.env.name:
+            out["eval/tool_call_rate"] = sum(s.episode.tool_calls > 0 for s in samples) / len(samples)
+        return out
 
     def _to_batch(self, scored: list[ScoredSample]) -> TrainBatch:
         return samples_to_batch([x.sample for x in scored], self.pad_id, self.cfg.algorithm.mask_truncated)
@@ -405,7 +413,7 @@ class Trainer:
         lengths = torch.tensor([len(x.sample.completion_ids) for x in scored], dtype=torch.float32)
         components = {f"reward/{name}": sum(x.components.get(name, 0.0) for x in scored) / len(scored)
                       for name in sorted({k for x in scored for k in x.components})}
-        return {**components,
+        return {**components, **(episode_metrics([x.sample for x in scored]) if self.cfg.env.name else {}),
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
             "reward/errors": reward_errors, "train/accuracy": sum(correct) / len(correct),
             "tokens_generated": int(lengths.sum()), "response/length_mean": lengths.mean().item(),
@@ -431,6 +439,45 @@ class BadTraining(RuntimeError):
     """Too many consecutive steps with non-finite gradients."""
 
 
+def drop_errored_groups(groups: list[list[ScoredSample]]) -> int:
+    """Groups holding an errored episode (the environment raised, or the episode timed out) get zero loss: their
+    advantages never reach the gradient and their rewards never another group's baseline (baselines are per
+    group). Returns how many groups were dropped."""
+    dropped = 0
+    for group in groups:
+        if any(x.sample.episode is not None and x.sample.episode.errored for x in group):
+            dropped += 1
+            for x in group:
+                x.sample.loss_mask = [0] * len(x.sample.completion_ids)
+    return dropped
+
+
+def episode_metrics(samples: list) -> dict:
+    """Per-step numbers of multi-turn episodes (``env/*``)."""
+    eps = [s.episode for s in samples]
+    n, calls, turns = len(eps), sum(e.tool_calls for e in eps), sum(e.turns for e in eps)
+    latency = sorted(t for e in eps for t in e.tool_seconds)
+    completion = sum(len(s.completion_ids) for s in samples)
+    out = {"env/tool_call_rate": sum(e.tool_calls > 0 for e in eps) / n,
+           "env/tool_calls_mean": calls / n, "env/tool_error_rate": sum(e.tool_errors for e in eps) / max(calls, 1),
+           "env/turns_mean": turns / n,
+           "env/tokens_mean": sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples) / n,
+           "env/observation_token_frac": sum(e.observation_tokens for e in eps) / max(completion, 1),
+           "env/truncated_frac": sum(e.termination in LIMIT_REASONS for e in eps) / n,
+           "env/errored_frac": sum(e.errored for e in eps) / n,
+           "env/leak_rate": sum(e.leaked_turns for e in eps) / max(turns, 1)}
+    for reason in sorted({e.termination for e in eps}):
+        out[f"env/termination/{reason}"] = sum(e.termination == reason for e in eps) / n
+    if latency:
+        out["env/tool_latency_p50_s"] = latency[len(latency) // 2]
+        out["env/tool_latency_p99_s"] = latency[min(len(latency) - 1, int(0.99 * len(latency)))]
+    return out
+
+
+LIMIT_REASONS = ("max_turns", "max_tool_calls", "max_total_tokens", "truncated")
+"""Termination reasons that mean an episode was cut by a limit (``env/truncated_frac``)."""
+
+
 def _step_ends(token_texts: list[str], separator: str) -> list[int]:
     """Token indices that end a step: tokens containing ``separator`` (every token when it is ""), and the last."""
     ends = [i for i, t in enumerate(token_texts) if separator == "" or separator in t]
@@ -444,7 +491,7 @@ def samples_to_batch(samples: list, pad_id: int, mask_truncated: bool = False) -
     real). ``mask_truncated``: a completion cut at the length cap (finish reason ``length``) gets no loss; it
     still counts as a sequence in the loss's per-sequence normalizers and its reward in its group's baseline."""
     batch = build_batch([x.prompt_ids for x in samples], [x.completion_ids for x in samples],
-                        [x.logprobs for x in samples], pad_id)
+                        [x.logprobs for x in samples], pad_id, [x.loss_mask for x in samples])
     if mask_truncated:
         batch.response_mask[torch.tensor([x.finish_reason == "length" for x in samples])] = 0.0
     return batch
@@ -511,11 +558,13 @@ def _load_tokenizer(path: str):
 
 
 def max_model_len(cfg: FleetConfig) -> int:
-    """Engine context: the prompt limit plus the completion cap, within the model's position range."""
+    """Engine context: the prompt limit plus the completion cap (an episode's token budget with ``env``), within
+    the model's position range."""
     import json
 
     hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
-    return min(int(hf.get("max_position_embeddings", 1 << 30)), cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    wanted = cfg.env.max_total_tokens if cfg.env.name else cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    return min(int(hf.get("max_position_embeddings", 1 << 30)), wanted)
 
 
 def _cpus_needed(cfg: FleetConfig) -> float:

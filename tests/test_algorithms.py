@@ -109,3 +109,30 @@ def test_process_rewards_land_on_the_tokens_that_end_each_step():
 def test_loss_settings_come_from_the_config_section():
     kw = loss_kwargs(algo("grpo", "algorithm.clip_high=0.28", "algorithm.kl_coef=0.05"))
     assert kw["clip_high"] == 0.28 and kw["kl_coef"] == 0.05 and set(kw) >= {"aggregation", "tis_cap"}
+
+
+# ---- multi-turn episodes: interleaved masks, per-turn rewards ---------------------------------------------------
+# one episode: turn 1 = tokens 0-1, observation = tokens 2-3 (mask 0), turn 2 = tokens 4-5, padding = 6
+EPISODE_MASK = torch.tensor([[1, 1, 0, 0, 1, 1, 0]], dtype=torch.float32)
+
+
+def test_episode_outcome_on_the_last_sampled_token_and_turn_rewards_on_their_turns():
+    x = advantage_inputs([1.0], [{}], ["p"], EPISODE_MASK, values=torch.zeros(1, 7), turns=[([1, 5], [0.25, 0.0])])
+    assert x.rewards.tolist() == [1.25]  # the episode's return: outcome + turn rewards (for group estimators)
+    assert x.outcome_token_rewards().tolist() == [[0.0, 0.25, 0.0, 0.0, 0.0, 1.0, 0.0]]
+    adv, returns = assemble_advantages(algo("ppo", "algorithm.gamma=0.5", "algorithm.lam=1.0",
+                                            "algorithm.whiten_advantages=false"), x)
+    # gamma 0.5 over the sampled tokens only (the observation tokens are not steps): rewards [0, .25, 1 | 0]
+    # at tokens 0, 1, 4, 5 -> returns 1.0 at 5, 0.5 at 4, 0.25 + 0.25 at 1, 0.25 at 0
+    assert returns.tolist() == [[0.25, 0.5, 0.0, 0.0, 0.5, 1.0, 0.0]] and torch.equal(adv, returns)
+
+
+def test_group_advantages_over_episodes_by_hand():
+    """GRPO over the G episodes of one task, broadcast to each episode's sampled tokens only."""
+    mask = torch.tensor([[1, 0, 1], [1, 1, 0], [1, 0, 0]], dtype=torch.float32)
+    x = advantage_inputs([1.0, 0.0, 0.0], [{}] * 3, ["t", "t", "t"], mask, turns=[([0, 2], [0.5, 0.0]), ([1], [0.0]),
+                                                                                 ([0], [0.0])])
+    adv, _ = assemble_advantages(algo("grpo"), x)
+    returns = torch.tensor([1.5, 0.0, 0.0])  # episode returns
+    by_hand = (returns - returns.mean()) / (returns.std() + 1e-6)
+    assert torch.allclose(adv, by_hand[:, None] * mask, atol=1e-6)
