@@ -125,10 +125,12 @@ def init_model(out_dir: str | Path, seed: int = 0, target_accuracy: float | None
         opt.step()
         sched.step()
         step += 1
-        if step % 25 == 0:
+        if step % 25 == 0 and (target_accuracy is not None or step == max_steps):
             acc = greedy_accuracy(model, tokenizer, ev_prompts, ev_answers)
             if step % 100 == 0 or (target_accuracy is not None and acc >= target_accuracy):
                 log(f"init-model: step {step} loss {loss.item():.3f} greedy eval acc {acc:.3f}")
+        elif step % 100 == 0:
+            log(f"init-model: step {step} loss {loss.item():.3f}")
     model.eval()
     out_dir.mkdir(parents=True, exist_ok=True)
     import os

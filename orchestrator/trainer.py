@@ -320,7 +320,8 @@ class Trainer:
                  "policy_version": x.sample.policy_version, "prompt": x.sample.prompt_text,
                  "prompt_ids": x.sample.prompt_ids, "completion": x.sample.completion_text,
                  "completion_ids": x.sample.completion_ids, "finish_reason": x.sample.finish_reason,
-                 "reward": x.reward, "components": x.components} for x in scored]
+                 "reward": x.reward, "components": x.components, "loss_mask": x.sample.loss_mask,
+                 "episode": dataclasses.asdict(x.sample.episode) if x.sample.episode else None} for x in scored]
         (out / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     def collect(self, step: int, timer: PhaseTimer) -> tuple[list[ScoredSample], int, dict]:

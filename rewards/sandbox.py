@@ -109,17 +109,34 @@ def run_tests(program: str, tests: list[dict], limits: SandboxLimits = SandboxLi
     budget = len(cases) * (limits.timeout_s + 1.0) + 10.0
     with _uid_slot() as uid:
         job = marshal.dumps({"program": program, "cases": cases, "uid": uid, "limits": asdict(limits)})
-        proc = subprocess.Popen(_sandbox_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True)
-        try:
-            out, err = proc.communicate(job, timeout=budget)
-        except subprocess.TimeoutExpired:
-            proc.kill()  # unshare dies -> --kill-child kills the namespace's PID 1 -> the kernel kills the rest
-            proc.communicate()
-            raise SandboxError(f"sandbox ran past its {budget:.0f}s budget and was killed") from None
+        return _run_job(job, budget)
+
+
+def _run_job(job: bytes, budget: float) -> list:
+    """One sandbox process over a marshalled job; the per-case results the harness writes."""
+    proc = subprocess.Popen(_sandbox_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(job, timeout=budget)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # unshare dies -> --kill-child kills the namespace's PID 1 -> the kernel kills the rest
+        proc.communicate()
+        raise SandboxError(f"sandbox ran past its {budget:.0f}s budget and was killed") from None
     if proc.returncode != 0:
         raise SandboxError(f"sandbox failed (exit {proc.returncode}): {err.decode(errors='replace')[-2000:]}")
     return marshal.loads(out)
+
+
+def run_program(program: str, stdin: str = "", limits: SandboxLimits = SandboxLimits()) -> tuple[str, str]:
+    """Run ``program`` once in a fresh sandbox (the same isolation and limits as :func:`run_tests`) and return
+    ``(status, stdout)``: status ``ok`` (exit 0), ``error``, ``timeout`` or ``output_limit``; stdout as far as it
+    was read. For tools that execute code (``workers/envs/tools.py``); the program never runs in the caller."""
+    if not isinstance(program, str) or not isinstance(stdin, str):
+        raise ValueError("run_program: program and stdin must be strings")
+    with _uid_slot() as uid:
+        job = marshal.dumps({"program": program, "cases": [{"input": stdin, "output": None}], "uid": uid,
+                             "limits": asdict(limits)})
+        return _run_job(job, limits.timeout_s + 11.0)[0]
 
 
 def _checked_case(i: int, test) -> dict:

@@ -151,8 +151,9 @@ def _exec_program(python: str, uid: int, limits: dict, stdin: int, stdout: int, 
         os._exit(127)
 
 
-def _run_case(case: dict, uid: int, limits: dict, seccomp: _SockFprog) -> str:
-    """Status of one case (see rewards.sandbox.STATUSES); no process of the program survives it."""
+def _run_case(case: dict, uid: int, limits: dict, seccomp: _SockFprog) -> str | tuple[str, str]:
+    """Status of one case (see rewards.sandbox.STATUSES), or for a case without an expected output (``None``)
+    ``(status, stdout)`` with status ``ok`` for a clean exit; no process of the program survives it."""
     _fresh_scratch(uid, limits["disk_mb"])
     with open(_INPUT, "w", encoding="utf-8", errors="replace") as f:
         f.write(case["input"])
@@ -168,6 +169,8 @@ def _run_case(case: dict, uid: int, limits: dict, seccomp: _SockFprog) -> str:
     finally:
         os.close(read_end)
         _kill_all()
+    if case["output"] is None:  # run_program: the caller wants the output itself
+        return status or "ok", out.decode(errors="replace")
     if status is not None:
         return status
     return "pass" if outputs_match(out.decode(errors="replace"), case["output"]) else "wrong"

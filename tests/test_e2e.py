@@ -22,7 +22,8 @@ REQUIRED = ["step", "policy_version", "reward/mean", "reward/std", "train/accura
 def train(run_dir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """`fleetrl train` as a user runs it (not a TTY here, so the console prints one line per step)."""
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", **shared_ray_env())
-    cmd = [sys.executable, "-m", "orchestrator", "train", f"run.dir={run_dir}", *args]
+    config = list(args[:2]) if args[:1] == ("-c",) else []  # a config file goes before the overrides
+    cmd = [sys.executable, "-m", "orchestrator", "train", *config, f"run.dir={run_dir}", *args[len(config):]]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

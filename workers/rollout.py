@@ -55,6 +55,7 @@ class RolloutWorker(LoggedActor):
         self.stop = list(stop or [])
         self.policy_version = 0
         self.generated_tokens = 0
+        self.episodes = None  # EpisodeFactory of the env config last used (run_episodes)
 
     def generate(self, prompts: list[tuple[str, str | list[dict], dict]], group_size: int, max_new_tokens: int,
                  temperature: float, top_p: float, seed: int | None) -> list[Sample]:
@@ -92,6 +93,38 @@ class RolloutWorker(LoggedActor):
                 worker=self.name,
             ))
             self.generated_tokens += len(token_ids)
+        return samples
+
+    def run_episodes(self, prompts: list[tuple[str, str | list[dict], dict]], group_size: int, env: dict,
+                     max_new_tokens: int, temperature: float, top_p: float, seed: int | None) -> list[Sample]:
+        """``group_size`` multi-turn episodes per prompt (``env``: the config's ``env`` section), all running
+        concurrently on this engine, one request per turn (:mod:`workers.engine_loop`); samples grouped by prompt
+        like :meth:`generate`'s. Each episode's turns get seeds derived from ``seed``, its prompt and index."""
+        import asyncio
+
+        from vllm import SamplingParams
+
+        from workers.engine_loop import run_all
+        from workers.episodes import EpisodeFactory
+
+        if self.episodes is None or self.episodes.env != env:
+            self.episodes = EpisodeFactory(env, self.tokenizer, max_new_tokens)
+        factory = self.episodes
+
+        def params_for(max_tokens: int, turn_seed: int | None):
+            return SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
+                                  seed=turn_seed, stop=(factory.renderer.stop + self.stop) or None,
+                                  include_stop_str_in_output=True)
+
+        def turn_seeds(uid: str, j: int):
+            return lambda turn: None if seed is None else _sample_seed(seed + 7919 * turn, uid, j)
+
+        jobs = [(uid, j, meta, factory.episode(prompt, meta, _sample_seed(seed or 0, uid, j), turn_seeds(uid, j)))
+                for uid, prompt, meta in prompts for j in range(group_size)]
+        episodes = asyncio.run(run_all(self.llm, params_for, [job[3] for job in jobs]))
+        samples = [factory.to_sample(ep, uid, j, meta, self.policy_version, self.name)
+                   for (uid, j, meta, _), ep in zip(jobs, episodes)]
+        self.generated_tokens += sum(sum(s.loss_mask) for s in samples)
         return samples
 
     def load_weights(self, bucket_refs: list, version: int) -> dict:

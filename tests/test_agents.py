@@ -1,0 +1,62 @@
+"""Multi-turn episodes on the real stack: vLLM rollout actor (episodes concurrent on its engine, one request per
+turn), reward actor, DeepSpeed learner, with the embedded calculator model (built on first use)."""
+
+import json
+import time
+
+import pytest
+
+from tests.test_e2e import ROOT, run_fleetrl
+from workers.envs.tools import Tool, calculate
+
+COMMON = ["-c", str(ROOT / "configs/tool_calc.yaml"), "trainer.total_steps=2", "trainer.eval_every=0",
+          "rollout.num_workers=1", "learner.num_ranks=1", "learner.zero_stage=0", "data.prompts_per_step=8",
+          "run.dump_rollouts=true", "trainer.time_budget_s=null"]
+
+
+def _dumped(run_dir, step):
+    return [json.loads(line) for line in (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.e2e
+def test_three_turn_episodes_train_on_sampled_tokens_only(tmp_path):
+    """Every episode has 3 turns with observations between them (tests.test_envs:ThreeTurns). At step 0 the
+    learner's logprobs of every sampled token of every turn equal the engine's (fp32), observations carry no loss,
+    and the second turn's reward of 0.5 sits on that turn (tests/test_algorithms.py: how it enters advantages)."""
+    rows = run_fleetrl(tmp_path / "run", *COMMON, "env.name=tests.test_envs:ThreeTurns", "env.max_turns=3",
+                       "env.max_total_tokens=64", "rollout.max_new_tokens=12")
+    first = rows[0]
+    assert first["env/turns_mean"] == 3 and first["env/termination/done"] == 1.0, \
+        {k: v for k, v in first.items() if k.startswith("env/")}
+    assert first["rollout/logprob_gap_max"] < 1e-3 and first["weight_sync/logprob_max_diff"] < 1e-3
+    assert 0 < first["env/observation_token_frac"] < 1 and first["env/errored_frac"] == 0
+    for row in _dumped(tmp_path / "run", 0):
+        ids, mask, ep = row["completion_ids"], row["loss_mask"], row["episode"]
+        assert len(mask) == len(ids) and ep["turns"] == 3 and ep["turn_rewards"] == [0.0, 0.5, 0.0]
+        assert mask[ep["turn_ends"][0] + 1: ep["turn_ends"][0] + 4] == [0, 0, 0]  # the observation "{7}"
+        assert [mask[e] for e in ep["turn_ends"]] == [1, 1, 1] and sum(mask) < len(mask)
+        assert row["reward"] in (0.0, 1.0)  # the outcome (math on the last turn); turn rewards join it in the return
+
+
+def sleepy(expression: str) -> str:
+    """A calculator that hangs (10 s) when the first factor is odd: about half of the calls."""
+    if int(expression.split("*")[0] or 0) % 2:
+        time.sleep(10)
+    return calculate(expression)
+
+
+SLEEPY = Tool("calculator", sleepy, "a calculator that often hangs")
+
+
+@pytest.mark.e2e
+def test_a_hanging_tool_times_out_without_stalling_the_step(tmp_path):
+    """Half the calls hang for 10 s under a 0.5 s tool timeout: each becomes an error observation after 0.5 s,
+    the episodes go on, and both steps complete."""
+    rows = [r for r in run_fleetrl(tmp_path / "run", *COMMON, "env.tools=[tests.test_agents:SLEEPY]",
+                                   "env.tool_timeout_s=0.5") if "reward/mean" in r]
+    assert sum(r["env/tool_error_rate"] > 0 for r in rows) >= 1
+    for step, row in enumerate(rows):
+        assert row["env/tool_call_rate"] > 0 and row["env/leak_rate"] < 0.01 and row["env/errored_frac"] == 0
+        assert row["env/tool_latency_p99_s"] < 1.5
+        for r in _dumped(tmp_path / "run", step):
+            assert all(s < 1.5 for s in r["episode"]["tool_seconds"])

@@ -1,0 +1,252 @@
+"""Multi-turn episode core (workers/envs): exact tokens, masks, limits, tools, renderers. A scripted policy stands
+in for the engine here (the end-to-end tests in tests/test_agents.py run vLLM)."""
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from orchestrator.embedded_model import TOOL_CHARS, build_tokenizer
+from workers.envs.api import Environment, StepResult
+from workers.envs.episode import EpisodeLimits, run_episode
+from workers.envs.renderers import ChatTemplateRenderer, TemplateNotPrefixPreserving, TextRenderer
+from workers.envs.tool_env import ToolEnv
+from workers.envs.tools import CALCULATOR, Tool, calculate, run_tool
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2 = ROOT / ".fleetrl/models/smollm2-135m-instruct"
+
+
+@dataclass
+class Turn:
+    token_ids: list
+    logprobs: list
+    text: str
+    finish_reason: str = "stop"
+
+
+def scripted(tokenizer, texts: list[str], finish: str = "stop"):
+    """A policy that writes ``texts`` turn by turn (ids from the tokenizer, logprob -0.5 each)."""
+    turns = iter(texts)
+
+    async def generate(context_ids, max_new_tokens):
+        text = next(turns)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_new_tokens]
+        return Turn(ids, [-0.5] * len(ids), tokenizer.decode(ids), finish if len(ids) == max_new_tokens else "stop")
+
+    return generate
+
+
+def play(env, renderer, generate, **limits):
+    return asyncio.run(run_episode(env, renderer, {"prompt": "347*58="}, 0, EpisodeLimits(**limits), generate))
+
+
+class Counting(ToolEnv):
+    closed = 0
+
+    def close(self):
+        Counting.closed += 1
+
+
+# ---- the calculator -----------------------------------------------------------------------------------------------
+def test_calculator_is_exact_and_refuses_everything_but_arithmetic():
+    assert calculate("347*58") == "20126" and calculate("(2+3)**2 - 7 // 2") == "22" and calculate("7/2") == "3.5"
+    for bad in ["__import__('os').system('id')", "x + 1", "(1).real", "9**999", "open('/etc/passwd')", "[1]*3",
+                "2**100*2**100**2"]:
+        with pytest.raises(ValueError):
+            calculate(bad)
+
+
+def test_tool_errors_and_timeouts_become_observations_not_exceptions():
+    def slow(expression):
+        time.sleep(2)
+
+    def boom(expression):
+        raise RuntimeError("kaput")
+
+    r = asyncio.run(run_tool(Tool("slow", slow, "", timeout_s=0.2), {"expression": "1"}))
+    assert r.error == "slow timed out after 0.2s" and r.seconds < 1.0
+    r = asyncio.run(run_tool(Tool("boom", boom, ""), {"expression": "1"}))
+    assert "RuntimeError: kaput" in r.error
+    r = asyncio.run(run_tool(CALCULATOR, {"bad_argument": "1"}))
+    assert "TypeError" in r.error
+    r = asyncio.run(run_tool(Tool("long", lambda expression: "9" * 50, "", max_output_chars=10), {"expression": ""}))
+    assert r.output.startswith("9" * 10) and "[cut at 10 chars]" in r.output
+
+
+def test_python_tool_runs_in_the_sandbox_and_reaches_nothing():
+    from rewards.sandbox import SandboxUnavailable, check_sandbox
+    from workers.envs.tools import run_python
+
+    try:
+        check_sandbox()
+    except SandboxUnavailable as e:
+        pytest.skip(str(e))
+    assert run_python("print(2 + 3)") == "5\n"
+    net = run_python("import socket\nfor host in ['1.1.1.1', '127.0.0.1']:\n    s = socket.socket()\n"
+                     "    s.settimeout(1)\n    try:\n        s.connect((host, 53)); print('CONNECTED')\n"
+                     "    except OSError: print('no')\n")
+    assert net == "no\nno\n"
+    files = run_python(f"import os\nprint(os.path.exists('{ROOT}/README.md'), os.path.exists('{ROOT}'))\n"
+                       "try:\n    print(open('/etc/shadow').read()[:10])\nexcept OSError as e:\n"
+                       "    print(type(e).__name__)\n")
+    assert files == "False False\nPermissionError\n"  # no repository; system dirs read-only, root's files closed
+
+
+# ---- episodes with the text renderer (the embedded calculator model's vocabulary) --------------------------------
+TOK = build_tokenizer(TOOL_CHARS)
+
+
+def test_tool_episode_tokens_and_mask_are_exact():
+    Counting.closed = 0
+    ep = play(Counting([CALCULATOR]), TextRenderer(TOK), scripted(TOK, ["[347*58]", "20126"]), max_total_tokens=64)
+    text = TOK.decode(ep.token_ids)
+    assert text == "347*58=[347*58]{20126}20126" and ep.termination == "done" and Counting.closed == 1
+    assert len(ep.token_ids) == len(ep.mask) == len(ep.logprobs)
+    sampled = "".join(ch for ch, m in zip(text, ep.mask) if m)  # char tokenizer: one token per character
+    assert sampled == "[347*58]20126" and ep.prompt_len == 7
+    assert [lp for lp, m in zip(ep.logprobs, ep.mask) if not m] == [0.0] * (len(ep.mask) - sum(ep.mask))
+    assert ep.turn_ends == [14, 26] and ep.tool_calls == 1 and ep.tool_errors == 0 and ep.observation_tokens == 7
+    assert [m["role"] for m in ep.messages] == ["user", "assistant", "tool", "assistant"]
+
+
+@pytest.mark.parametrize("policy,limits,reason", [
+    (["20126"], {}, "done"),
+    (["[1+1]", "[2+2]", "[3+3]"], {"max_turns": 2, "max_tool_calls": 5}, "max_turns"),
+    (["[1+1]", "[2+2][3+3]"], {"max_tool_calls": 2}, "max_tool_calls"),
+    (["[99999*99999]"], {"max_total_tokens": 24}, "max_total_tokens"),  # the observation would overflow
+    (["[1+1]", "2222222222"], {"max_total_tokens": 20}, "max_total_tokens"),  # a turn cut by the budget
+    (["2222222222"], {"max_new_tokens": 4}, "truncated"),
+])
+def test_every_limit_ends_the_episode_with_its_reason(policy, limits, reason):
+    Counting.closed = 0
+    ep = play(Counting([CALCULATOR]), TextRenderer(TOK), scripted(TOK, policy, finish="length"),
+              **{"max_total_tokens": 64, **limits})
+    assert ep.termination == reason and Counting.closed == 1
+    assert len(ep.token_ids) <= ep.prompt_len + 64 and len(ep.token_ids) <= limits.get("max_total_tokens", 64)
+    assert len(ep.token_ids) == len(ep.mask) == len(ep.logprobs)
+
+
+def test_environment_errors_and_timeouts_end_only_their_episode():
+    class Broken(Counting):
+        def step(self, action):
+            raise KeyError("bad state")
+
+    class Stuck(Counting):
+        async def step(self, action):
+            await asyncio.sleep(10)
+
+    for env, reason in ((Broken([CALCULATOR]), "env_error"), (Stuck([CALCULATOR]), "timeout")):
+        Counting.closed = 0
+        ep = play(env, TextRenderer(TOK), scripted(TOK, ["[1+1]"]), episode_timeout_s=0.5)
+        assert ep.termination == reason and ep.errored and Counting.closed == 1
+
+
+def test_a_tool_past_its_timeout_does_not_stall_the_other_episodes():
+    """8 episodes at once; one's tool sleeps 3 s under a 0.3 s timeout. The other 7 finish at once; the slow one
+    gets an error observation after ~0.3 s and finishes too."""
+    def slow_or_fast(expression):
+        if expression == "0+0":
+            time.sleep(3)
+        return calculate(expression)
+
+    tool = Tool("calculator", slow_or_fast, "", timeout_s=0.3)
+    finished: dict[int, float] = {}
+
+    async def main():
+        t0 = time.perf_counter()
+
+        async def one(i):
+            ep = await run_episode(ToolEnv([tool]), TextRenderer(TOK), {"prompt": "1*1="}, i, EpisodeLimits(),
+                                   scripted(TOK, [f"[{i}+{i}]", "1"]))
+            finished[i] = time.perf_counter() - t0
+            return ep
+
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
+    eps = asyncio.run(main())
+    assert all(ep.termination == "done" for ep in eps)
+    assert eps[0].tool_errors == 1 and eps[0].messages[2]["content"] == "calculator timed out after 0.3s"
+    assert max(finished[i] for i in range(1, 8)) < 0.25 and 0.3 <= finished[0] < 1.5, finished
+    assert TOK.decode(eps[0].token_ids) == "1*1=[0+0]{}1"  # the text renderer writes an error as {}
+
+
+def test_text_renderer_leak_canary():
+    r = TextRenderer(TOK)
+    assert r.leaked("[1+1]{2}") and not r.leaked("[1+1]")
+
+
+# ---- episodes with a real chat template (SmolLM2's ChatML) ----------------------------------------------------------
+def smollm2_tokenizer():
+    if not (SMOLLM2 / "tokenizer.json").exists():
+        pytest.skip("SmolLM2 not built (make smollm2)")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(SMOLLM2)
+
+
+def test_chat_episode_keeps_sampled_ids_verbatim_when_decode_encode_is_not_the_identity():
+    """The sampled ids spell ' hello' as ' hel' + 'lo' (not how the BPE tokenizer encodes it): the episode keeps
+    them; a decode -> encode of the history would have merged them."""
+    tok = smollm2_tokenizer()
+    odd = tok(" hel", add_special_tokens=False)["input_ids"] + tok("lo", add_special_tokens=False)["input_ids"]
+    assert tok(tok.decode(odd), add_special_tokens=False)["input_ids"] != odd  # decode -> encode changes them
+    call = tok('<tool_call>{"name": "calculator", "arguments": {"expression": "347*58"}}</tool_call>',
+               add_special_tokens=False)["input_ids"]
+    turns = iter([odd + call + [tok.eos_token_id], tok("20126", add_special_tokens=False)["input_ids"]
+                  + [tok.eos_token_id]])
+
+    async def generate(context_ids, max_new_tokens):
+        ids = next(turns)
+        return Turn(ids, [-0.1] * len(ids), tok.decode(ids, skip_special_tokens=True))
+
+    renderer = ChatTemplateRenderer(tok, [CALCULATOR])
+    ep = asyncio.run(run_episode(ToolEnv([CALCULATOR]), renderer, {"prompt": "What is 347 * 58?"}, 0,
+                                 EpisodeLimits(max_total_tokens=512), generate))
+    assert ep.termination == "done" and ep.tool_calls == 1 and ep.messages[2]["content"] == "20126"
+    first = ep.token_ids[ep.prompt_len: ep.prompt_len + len(odd)]
+    assert first == odd  # verbatim
+    sampled = [t for t, m in zip(ep.token_ids, ep.mask) if m]
+    assert sampled == odd + call + [tok.eos_token_id] + tok("20126", add_special_tokens=False)["input_ids"] + [
+        tok.eos_token_id]
+    # the glue between turns is the chat template's own rendering: the whole episode decodes to the template's
+    # rendering of the final conversation, but for the trailing glue after the last sampled token (ChatML's "\n")
+    rendered = tok.apply_chat_template(ep.messages, tokenize=False)
+    assert tok.decode(ep.token_ids, skip_special_tokens=False) + "\n" == rendered
+
+
+def test_a_template_that_re_renders_earlier_turns_is_refused():
+    tok = smollm2_tokenizer()
+    # renders only the last assistant message in full: earlier ones change when a message is added
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}<|im_start|>"
+                         "assistant\n...<|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                         "<|im_end|>\n{% endif %}{% endfor %}")
+    with pytest.raises(TemplateNotPrefixPreserving, match="not prefix-preserving"):
+        ChatTemplateRenderer(tok, [CALCULATOR])
+
+
+def test_custom_environments_load_by_import_path():
+    from workers.envs.api import load_environment
+
+    assert load_environment("tool") is ToolEnv
+    assert load_environment("tests.test_envs:ThreeTurns") is ThreeTurns
+    with pytest.raises(ValueError, match="not a workers.envs.api.Environment"):
+        load_environment("tests.test_envs:Turn")
+    with pytest.raises(KeyError, match="unknown environment 'nope'"):
+        load_environment("nope")
+
+
+class ThreeTurns(Environment):
+    """Used by the end-to-end test: every turn gets the observation {7}; the third ends the episode with a turn
+    reward of 0.5 on the second."""
+
+    def reset(self, task, seed):
+        self.turns = 0
+        return [{"role": "user", "content": task["prompt"]}]
+
+    def step(self, action):
+        self.turns += 1
+        return StepResult([{"role": "tool", "content": "7"}], reward=0.5 if self.turns == 2 else 0.0,
+                          done=self.turns == 3)

@@ -1,0 +1,2 @@
+"""Multi-turn episodes (agentic RL): the environment API, tools, renderers and the episode loop. No vLLM or Ray
+here: the rollout actor drives episodes through :mod:`workers.engine_loop`."""
