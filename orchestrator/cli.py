@@ -56,9 +56,10 @@ def _cluster_parsers(sub) -> None:
     st.add_argument("job", nargs="?", help="job id (default: the newest fleetrl job)")
     st.add_argument("--address")
     st.add_argument("--json", action="store_true", help="print JSON")
-    sc = sub.add_parser("scale", help="resize a running job's rollout/reward pools (applied at the next step)")
+    sc = sub.add_parser("scale", help="resize a running job's rollout/reward/env pools (applied at the next step)")
     sc.add_argument("--rollout", type=int, help="rollout actors wanted")
     sc.add_argument("--reward", type=int, help="reward actors wanted")
+    sc.add_argument("--env", type=int, help="env actors wanted (runs started with env.num_workers >= 1)")
     sc.add_argument("--run", help="run name (its run.dir's last component); default: the only live run")
     sc.add_argument("--address", help="Ray GCS address (default: auto, i.e. run this on a cluster node)")
     sc.add_argument("--wait", type=float, default=120.0, help="seconds to wait until applied (0: don't wait)")
@@ -87,7 +88,7 @@ def _cluster_command(args) -> int:
     elif args.command == "stop":
         print(json.dumps(jobs.stop(args.run, args.address, args.wait)))
     else:
-        print(json.dumps(jobs.scale(args.rollout, args.reward, args.run, args.address, args.wait)))
+        print(json.dumps(jobs.scale(args.rollout, args.reward, args.run, args.address, args.wait, env=args.env)))
     return 0
 
 

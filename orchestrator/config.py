@@ -391,6 +391,11 @@ class EnvConfig(Section):
     are."""
     args: dict = Field(default_factory=dict)
     """Keyword arguments for the environment's constructor."""
+    num_workers: int = Field(0, ge=0, le=1024)
+    """0: environments run inside the rollout actors. N > 0: in N `env-i` Ray actors of their own (heavy
+    environments), which `fleetrl scale --env N` resizes between steps."""
+    num_cpus: float = Field(0.25, ge=0.0)
+    """Ray CPUs reserved by each `env-i` actor."""
 
 
 class FleetConfig(Section):

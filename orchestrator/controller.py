@@ -49,16 +49,19 @@ class FleetController:
     """Plain class; :func:`start_controller` wraps it with ``ray.remote`` (detached from nothing: it dies with the
     job's driver)."""
 
-    def __init__(self, run: str, rollout_workers: int, reward_workers: int):
+    def __init__(self, run: str, rollout_workers: int, reward_workers: int, env_workers: int = 0):
         self.run = run
-        self._desired = {"rollout": rollout_workers, "reward": reward_workers}
+        self._desired = {"rollout": rollout_workers, "reward": reward_workers, "env": env_workers}
         self._stop = False
         self._metrics = _make_metrics(run)
         self._totals: dict[str, float] = {}
 
-    def scale(self, rollout: int | None = None, reward: int | None = None) -> dict:
+    def scale(self, rollout: int | None = None, reward: int | None = None, env: int | None = None) -> dict:
         """Request new pool sizes; the driver applies them at the next step boundary."""
-        for role, n in (("rollout", rollout), ("reward", reward)):
+        if env is not None and not self._desired["env"]:
+            raise ValueError("--env: this run keeps its environments inside the rollout actors (env.num_workers "
+                             "is 0); start it with env.num_workers >= 1 to scale them")
+        for role, n in (("rollout", rollout), ("reward", reward), ("env", env)):
             if n is not None:
                 if not isinstance(n, int) or n < 1:
                     raise ValueError(f"--{role} must be an integer >= 1, got {n!r}")
@@ -112,7 +115,7 @@ def _make_metrics(run: str) -> dict:
     return out
 
 
-def start_controller(run: str, rollout_workers: int, reward_workers: int):
+def start_controller(run: str, rollout_workers: int, reward_workers: int, env_workers: int = 0):
     """Start the run's controller actor (a stale one of a finished run with the same name is replaced)."""
     import contextlib
 
@@ -123,7 +126,7 @@ def start_controller(run: str, rollout_workers: int, reward_workers: int):
         ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
         time.sleep(0.5)  # let the name be released
     actor = ray.remote(FleetController).options(name=name, namespace=NAMESPACE, num_cpus=0, max_restarts=0)
-    handle = actor.remote(run, rollout_workers, reward_workers)
+    handle = actor.remote(run, rollout_workers, reward_workers, env_workers)
     ray.get(handle.desired.remote())
     return handle
 

@@ -120,19 +120,21 @@ def format_status(s: dict) -> str:
     return "  ".join(parts + ([s["message"]] if s.get("message") else []))
 
 
-def scale(rollout: int | None, reward: int | None, run: str | None, address: str | None, wait_s: float) -> dict:
+def scale(rollout: int | None, reward: int | None, run: str | None, address: str | None, wait_s: float,
+          env: int | None = None) -> dict:
     """Ask a running job's controller for new pool sizes; with ``wait_s`` > 0, wait until the driver applied them.
     Connects to the cluster as a Ray client (run it on a cluster node, or through `ray job submit`)."""
-    if rollout is None and reward is None:
-        raise ValueError("give --rollout N and/or --reward M")
+    if rollout is None and reward is None and env is None:
+        raise ValueError("give --rollout N, --reward M and/or --env K")
     ctl, name = _controller(run, address)
-    desired = _call(ctl.scale, rollout=rollout, reward=reward)
+    desired = _call(ctl.scale, rollout=rollout, reward=reward, env=env)
     status, ended = _poll(name, lambda s: _applied(s, desired), wait_s,
                           f"the run did not reach {desired} (it applies a resize at the next step boundary)")
     if ended and not _applied(status, desired):
         raise LookupError(f"the run ended before the resize was applied (last step {status.get('step')})")
     return {"desired": desired, "rollout_workers": status.get("rollout_workers"),
-            "reward_workers": status.get("reward_workers"), "step": status.get("step")}
+            "reward_workers": status.get("reward_workers"), "env_workers": status.get("env_workers"),
+            "step": status.get("step")}
 
 
 def stop(run: str | None, address: str | None, wait_s: float) -> dict:
@@ -205,4 +207,5 @@ def _poll(run: str, done, wait_s: float, what: str) -> tuple[dict, bool]:
 
 
 def _applied(status: dict, desired: dict) -> bool:
-    return status.get("rollout_workers") == desired["rollout"] and status.get("reward_workers") == desired["reward"]
+    return status.get("rollout_workers") == desired["rollout"] and status.get("reward_workers") == desired["reward"] \
+        and (not desired.get("env") or status.get("env_workers") == desired["env"])

@@ -130,10 +130,12 @@ class RolloutPool(ActorPool):
 
     role = "rollout"
 
-    def __init__(self, cfg: FleetConfig, max_model_len: int, current_weights=None):
+    def __init__(self, cfg: FleetConfig, max_model_len: int, current_weights=None, envs: EnvPool | None = None):
         """``current_weights``: a callable giving the learner's current weights as bucket ObjectRefs (see
-        :meth:`LearnerGroup.weight_buckets`), for engines that join a pool whose pushes keep no buckets."""
+        :meth:`LearnerGroup.weight_buckets`), for engines that join a pool whose pushes keep no buckets.
+        ``envs``: the `env-i` actors hosting the episodes' environments (``env.num_workers`` > 0)."""
         self.cfg = cfg
+        self.envs = envs
         self.max_model_len = max_model_len
         self.version = 0
         self.buckets: list = []  # the last object-store push (a new engine loads exactly that version)
@@ -169,9 +171,10 @@ class RolloutPool(ActorPool):
         r = self.cfg.rollout
         parts = _chunks([(p.uid, p.text, p.metadata) for p in prompts], len(self.workers))
         if self.cfg.env.name:
-            env = self.cfg.env.model_dump()
+            env = {**self.cfg.env.model_dump(), "system_prompt": self.cfg.data.system_prompt}
+            actors = self.envs.workers if self.envs else None
             outs = self.fan_out(lambda w, part: w.run_episodes.remote(part, group_size, env, r.max_new_tokens,
-                                                                      temperature, r.top_p, seed), parts)
+                                                                      temperature, r.top_p, seed, actors), parts)
         else:
             outs = self.fan_out(lambda w, part: w.generate.remote(part, group_size, r.max_new_tokens, temperature,
                                                                   r.top_p, seed), parts)
@@ -201,6 +204,25 @@ class RolloutPool(ActorPool):
     def load_weights(self, bucket_refs: list, version: int) -> list[dict]:
         self.version, self.buckets = version, bucket_refs
         return self.fan_out(lambda w, _: w.load_weights.remote(bucket_refs, version), [True] * len(self.workers))
+
+
+class EnvPool(ActorPool):
+    """The `env-i` actors (``env.num_workers`` > 0): they host the episodes' environments
+    (:class:`workers.envs.remote.EnvWorker`); the rollout actors call them directly. Resized between steps."""
+
+    role = "env"
+
+    def __init__(self, cfg: FleetConfig):
+        self.cfg = cfg
+        super().__init__(cfg.env.num_workers, cfg.rollout.max_restarts)
+        ray.get([w.open_episodes.remote() for w in self.workers])
+
+    def _spawn(self, index: int, name: str):
+        from workers.envs.remote import EnvWorker
+
+        env = {**self.cfg.env.model_dump(), "system_prompt": self.cfg.data.system_prompt}
+        return ray.remote(EnvWorker).options(num_cpus=self.cfg.env.num_cpus, max_concurrency=1000,
+                                             **self._options(name)).remote(env)
 
 
 class RewardPool(ActorPool):

@@ -13,7 +13,7 @@ KV_NAMESPACE = "fleetrl"
 FIELDS = {"step": "step", "policy_version": "policy_version", "reward/mean": "reward",
           "train/accuracy": "train_accuracy", "eval/accuracy": "eval_accuracy",
           "throughput/tokens_per_s": "tokens_per_second", "time/step_s": "step_seconds",
-          "rollout/workers": "rollout_workers", "reward/workers": "reward_workers"}
+          "rollout/workers": "rollout_workers", "reward/workers": "reward_workers", "env/workers": "env_workers"}
 """Step-metrics key -> status field. A field keeps its last value (the eval accuracy of the last eval)."""
 
 

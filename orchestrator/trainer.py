@@ -25,7 +25,7 @@ from orchestrator.config import FleetConfig, dump_config
 from orchestrator.console import Console, banner
 from orchestrator.controller import start_controller
 from orchestrator.metrics import MetricsLogger, PhaseTimer
-from orchestrator.pools import LearnerDied, LearnerGroup, RewardPool, RolloutPool, gather_metrics
+from orchestrator.pools import EnvPool, LearnerDied, LearnerGroup, RewardPool, RolloutPool, gather_metrics
 from orchestrator.run_status import RunStatus
 from orchestrator.weight_sync import make_weight_sync
 from rewards.functions import is_correct
@@ -68,11 +68,14 @@ class Trainer:
                            f"{self.run_dir / 'logs'}/")
         self.learner = LearnerGroup(self.cfg)
         self.critic = LearnerGroup(self.cfg, role="critic") if self.cfg.algorithm.uses_critic else None
-        self.rollouts = RolloutPool(self.cfg, max_model_len=max_len, current_weights=self.learner.weight_buckets)
+        self.envs = EnvPool(self.cfg) if self.cfg.env.name and self.cfg.env.num_workers else None
+        self.rollouts = RolloutPool(self.cfg, max_model_len=max_len, current_weights=self.learner.weight_buckets,
+                                    envs=self.envs)
         self.weight_sync = make_weight_sync(self.cfg, self.learner, self.rollouts, self.task.train_batch(0, 1),
                                             self.pad_id)
         self.rewards = RewardPool(self.cfg)
-        self.controller = start_controller(self.run_dir.name, len(self.rollouts.workers), len(self.rewards.workers))
+        self.controller = start_controller(self.run_dir.name, len(self.rollouts.workers), len(self.rewards.workers),
+                                           len(self.envs.workers) if self.envs else 0)
         log.info("actors up in %.1fs: %d rollout, %d reward, %d learner ranks", time.perf_counter() - t0,
                  len(self.rollouts.workers), len(self.rewards.workers), self.learner.world)
         for line in banner(self.cfg, self.learner.world, len(self.rollouts.workers), len(self.rewards.workers),
@@ -206,6 +209,7 @@ class Trainer:
         import ray
 
         groups = {"rollout": self.rollouts.workers, "reward": self.rewards.workers, "learner": self.learner.ranks,
+                  "env": self.envs.workers if self.envs else [],
                   "critic": self.critic.ranks if self.critic else []}
         refs = {f"{role}-{i}": w.peak_rss_mb.remote() for role, ws in groups.items() for i, w in enumerate(ws)}
         return dict(zip(refs, ray.get(list(refs.values()))))
@@ -297,6 +301,8 @@ class Trainer:
             self.stop_requested = True
         self.rollouts.resize(want["rollout"])
         self.rewards.resize(want["reward"])
+        if self.envs is not None:
+            self.envs.resize(want["env"])
 
     def _timing(self, timer: PhaseTimer, train_metrics: dict, queued: int) -> dict:
         """Phase times, throughput, and ``time/overhead_s``: step time not spent generating (engines) or in the
@@ -426,6 +432,7 @@ class Trainer:
             "rollout/policy_version_min": min(x.sample.policy_version for x in scored),
             "rollout/staleness_max": staleness,
             "rollout/workers": len(self.rollouts.workers), "reward/workers": len(self.rewards.workers),
+            **({"env/workers": len(self.envs.workers)} if self.envs else {}),
             "rollout/samples": len(scored), "rollout/unique_prompts": len({x.sample.prompt_uid for x in scored}),
             "faults/rollout_restarts": self.rollouts.restarts, "faults/reward_restarts": self.rewards.restarts,
             "faults/rollout_recovery_s": self.rollouts.recovery_s, "faults/reward_recovery_s": self.rewards.recovery_s,

@@ -51,9 +51,12 @@ SLEEPY = Tool("calculator", sleepy, "a calculator that often hangs")
 @pytest.mark.e2e
 def test_a_hanging_tool_times_out_without_stalling_the_step(tmp_path):
     """Half the calls hang for 10 s under a 0.5 s tool timeout: each becomes an error observation after 0.5 s,
-    the episodes go on, and both steps complete."""
+    the episodes go on, and both steps complete. The environments (and so the tools) live in an `env-0` actor of
+    their own here (env.num_workers=1), reached from the rollout actor's episodes."""
     rows = [r for r in run_fleetrl(tmp_path / "run", *COMMON, "env.tools=[tests.test_agents:SLEEPY]",
-                                   "env.tool_timeout_s=0.5") if "reward/mean" in r]
+                                   "env.tool_timeout_s=0.5", "env.num_workers=1") if "reward/mean" in r]
+    assert all(r["env/workers"] == 1 for r in rows)
+    assert "env-0.log" in {p.name for p in (tmp_path / "run" / "logs").iterdir()}
     assert sum(r["env/tool_error_rate"] > 0 for r in rows) >= 1
     for step, row in enumerate(rows):
         assert row["env/tool_call_rate"] > 0 and row["env/leak_rate"] < 0.01 and row["env/errored_frac"] == 0

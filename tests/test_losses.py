@@ -137,3 +137,32 @@ def test_weight_bucket_round_trip_all_dtypes():
     assert [n for n, _ in out] == ["a", "b", "c", "d"]
     for (_, x), (_, y) in zip(named, out):
         assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                                         "seq_mean_token_sum_norm"])
+def test_masked_positions_of_an_episode_get_exactly_zero_gradient(aggregation):
+    """A multi-turn episode's observation tokens (loss mask 0 between sampled turns): the policy loss with every
+    term on (clip, KL, entropy, TIS) puts exactly 0 gradient on the logits that predict them, and its token
+    normalizer counts sampled tokens only."""
+    from learner.batch import response_logprobs
+
+    torch.manual_seed(0)
+    masks = [[1, 1, 0, 0, 0, 1, 1], [1, 0, 0, 1, 1, 1, 0]]  # turn | observation | turn
+    batch = build_batch([[3, 4], [5]], [[6, 7, 8, 9, 10, 11, 12], [7, 8, 9, 10, 11, 12, 13]],
+                        [[-1.0] * 7, [-1.0] * 7], 0, masks)
+    assert batch.response_mask.tolist() == [[float(m) for m in row] for row in masks]
+    assert batch.rollout_logprobs[0, 2:5].tolist() == [0.0, 0.0, 0.0]
+    logits = torch.randn(2, batch.input_ids.shape[1], 20, requires_grad=True)
+    logp, entropy = response_logprobs(logits, batch)
+    scale = batch.with_scale().scale
+    assert scale.num_tokens == 8
+    loss, _ = policy_loss(logp, logp.detach() + 0.1, torch.randn(2, 7), batch.response_mask, scale,
+                          aggregation=aggregation, ref_logp=logp.detach() - 0.2, kl_coef=0.1, entropy=entropy,
+                          entropy_coef=0.01, rollout_logp=batch.rollout_logprobs, tis_cap=2.0)
+    loss.backward()
+    P = batch.prompt_len
+    grad = logits.grad[:, P - 1: -1]  # row t predicts response token t
+    for i, row in enumerate(masks):
+        for t, m in enumerate(row):
+            assert (grad[i, t].abs().sum() == 0) == (m == 0), (i, t)

@@ -16,24 +16,42 @@ from workers.envs.tools import load_tool
 from workers.records import EpisodeStats, Sample
 
 
-class EpisodeFactory:
-    """Environments, renderer and limits of one ``env`` config section (a dict: it crosses the actor boundary)."""
+def env_tools(env: dict) -> list:
+    """The ``env.tools``, with the config's timeout and output cap."""
+    return [dataclasses.replace(load_tool(t), timeout_s=env["tool_timeout_s"],
+                                max_output_chars=env["max_tool_output_chars"]) for t in env["tools"]]
 
-    def __init__(self, env: dict, tokenizer, max_new_tokens: int):
-        self.env = env
-        self.tools = [dataclasses.replace(load_tool(t), timeout_s=env["tool_timeout_s"],
-                                          max_output_chars=env["max_tool_output_chars"]) for t in env["tools"]]
-        self.env_class = load_environment(env["name"])
+
+def make_environment(env: dict):
+    """A fresh environment of the ``env`` config section (the stock ``tool`` one gets ``env.tools``)."""
+    cls = load_environment(env["name"])
+    return cls(env_tools(env), **env["args"]) if env["name"] == "tool" else cls(**env["args"])
+
+
+class EpisodeFactory:
+    """Environments, renderer and limits of one ``env`` config section (a dict: it crosses the actor boundary).
+    With ``env_actors`` (the ``env-i`` actors of ``env.num_workers``) each episode's environment lives in one of
+    them, chosen round-robin."""
+
+    def __init__(self, env: dict, tokenizer, max_new_tokens: int, env_actors: list | None = None, name: str = ""):
+        self.env, self.env_actors, self.name = env, list(env_actors or []), name
+        self.tools = env_tools(env)
+        self.env_class = load_environment(env["name"])  # fails here, clearly, before any episode starts
+        self.turn = 0
         chat = env["renderer"] == "chat" or (env["renderer"] == "auto" and getattr(tokenizer, "chat_template", None))
-        self.renderer = ChatTemplateRenderer(tokenizer, self.tools) if chat else TextRenderer(tokenizer)
+        self.renderer = ChatTemplateRenderer(tokenizer, self.tools, env.get("system_prompt")) if chat else \
+            TextRenderer(tokenizer)
         self.limits = EpisodeLimits(env["max_turns"], env["max_tool_calls"], env["max_total_tokens"], max_new_tokens,
                                     env["episode_timeout_s"])
         self.tokenizer = tokenizer
 
     def make_env(self):
-        if self.env["name"] == "tool":
-            return self.env_class(self.tools, **self.env["args"])
-        return self.env_class(**self.env["args"])
+        if self.env_actors:
+            from workers.envs.remote import RemoteEnv
+
+            self.turn += 1
+            return RemoteEnv(self.env_actors[self.turn % len(self.env_actors)], self.name)
+        return make_environment(self.env)
 
     def episode(self, prompt, metadata: dict, seed: int | None, turn_seed):
         """A callable ``generate -> coroutine`` (see :func:`workers.engine_loop.run_all`)."""

@@ -96,10 +96,12 @@ class RolloutWorker(LoggedActor):
         return samples
 
     def run_episodes(self, prompts: list[tuple[str, str | list[dict], dict]], group_size: int, env: dict,
-                     max_new_tokens: int, temperature: float, top_p: float, seed: int | None) -> list[Sample]:
+                     max_new_tokens: int, temperature: float, top_p: float, seed: int | None,
+                     env_actors: list | None = None) -> list[Sample]:
         """``group_size`` multi-turn episodes per prompt (``env``: the config's ``env`` section), all running
         concurrently on this engine, one request per turn (:mod:`workers.engine_loop`); samples grouped by prompt
-        like :meth:`generate`'s. Each episode's turns get seeds derived from ``seed``, its prompt and index."""
+        like :meth:`generate`'s. ``env_actors``: the ``env-i`` actors hosting the environments (else they live
+        here). Each episode's turns get seeds derived from ``seed``, its prompt and index."""
         import asyncio
 
         from vllm import SamplingParams
@@ -107,8 +109,8 @@ class RolloutWorker(LoggedActor):
         from workers.engine_loop import run_all
         from workers.episodes import EpisodeFactory
 
-        if self.episodes is None or self.episodes.env != env:
-            self.episodes = EpisodeFactory(env, self.tokenizer, max_new_tokens)
+        if self.episodes is None or self.episodes.env != env or self.episodes.env_actors != list(env_actors or []):
+            self.episodes = EpisodeFactory(env, self.tokenizer, max_new_tokens, env_actors, self.name)
         factory = self.episodes
 
         def params_for(max_tokens: int, turn_seed: int | None):

@@ -85,7 +85,7 @@ async def run_episode(env: Environment, renderer: Renderer, task: dict, seed: in
 
 
 async def _play(env, renderer: Renderer, task: dict, seed: int, limits: EpisodeLimits, generate, ep: Episode):
-    ep.messages = list(await call(env.reset, task, seed))
+    ep.messages = renderer.conversation(await call(env.reset, task, seed))
     ep.append(renderer.initial(ep.messages))
     ep.prompt_len = len(ep.token_ids)
     for _ in range(limits.max_turns):

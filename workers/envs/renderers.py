@@ -30,6 +30,14 @@ class TemplateNotPrefixPreserving(ValueError):
 
 class Renderer:
     stop: list[str] = []  # stop strings that end an assistant turn (besides the model's EOS)
+    system_prompt: str | None = None
+
+    def conversation(self, messages: list[Message]) -> list[Message]:
+        """The episode's conversation from the environment's initial messages: ``system_prompt`` (``data.
+        system_prompt``) first when set and the messages have no system message."""
+        if self.system_prompt and not any(m["role"] == "system" for m in messages):
+            return [{"role": "system", "content": self.system_prompt}, *messages]
+        return list(messages)
 
     def initial(self, messages: list[Message]) -> list[int]:
         raise NotImplementedError
@@ -77,7 +85,8 @@ class TextRenderer(Renderer):
 class ChatTemplateRenderer(Renderer):
     CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
-    def __init__(self, tokenizer, tools: list | None = None):
+    def __init__(self, tokenizer, tools: list | None = None, system_prompt: str | None = None):
+        self.system_prompt = system_prompt
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"env.renderer=chat: the tokenizer of {tokenizer.name_or_path!r} has no chat template")
         self.tokenizer = tokenizer
