@@ -250,3 +250,23 @@ class ThreeTurns(Environment):
         self.turns += 1
         return StepResult([{"role": "tool", "content": "7"}], reward=0.5 if self.turns == 2 else 0.0,
                           done=self.turns == 3)
+
+
+def test_a_group_with_an_errored_episode_gets_zero_loss_and_the_metrics_count_it():
+    from orchestrator.trainer import drop_errored_groups, episode_metrics
+    from workers.records import EpisodeStats, Sample, ScoredSample
+
+    def sample(errored: bool, calls: int, termination: str) -> ScoredSample:
+        ep = EpisodeStats(termination, 1 + calls, calls, 0, [0.1] * calls, 3 * calls, 0, [2], [0.0], errored)
+        return ScoredSample(Sample("u", 0, "p", [1], [5, 6, 7, 8], [-1.0] * 4, "8", "stop", 0,
+                                   loss_mask=[1, 0, 0, 1], episode=ep), 1.0, {})
+
+    groups = [[sample(False, 1, "done"), sample(True, 0, "timeout")], [sample(False, 0, "done"),
+                                                                     sample(False, 2, "max_turns")]]
+    assert drop_errored_groups(groups) == 1
+    assert [x.sample.loss_mask for x in groups[0]] == [[0, 0, 0, 0]] * 2  # the whole group, not just the episode
+    assert [x.sample.loss_mask for x in groups[1]] == [[1, 0, 0, 1]] * 2
+    m = episode_metrics([x.sample for g in groups for x in g])
+    assert m["env/errored_frac"] == 0.25 and m["env/tool_call_rate"] == 0.5 and m["env/tool_calls_mean"] == 0.75
+    assert m["env/termination/done"] == 0.5 and m["env/termination/timeout"] == 0.25
+    assert m["env/truncated_frac"] == 0.25 and m["env/observation_token_frac"] == 9 / 16
