@@ -2,6 +2,8 @@
 in for the engine here (the end-to-end tests in tests/test_agents.py run vLLM)."""
 
 import asyncio
+import copy
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,12 +181,21 @@ def test_text_renderer_leak_canary():
 
 
 # ---- episodes with a real chat template (SmolLM2's ChatML) ----------------------------------------------------------
-def smollm2_tokenizer():
-    if not (SMOLLM2 / "tokenizer.json").exists():
-        pytest.skip("SmolLM2 not built (make smollm2)")
+@functools.cache
+def _smollm2_tokenizer():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(SMOLLM2)
+    if (SMOLLM2 / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(SMOLLM2)
+    from orchestrator.model_import import packaged_gguf  # not converted yet: the same tokenizer, from the GGUF
+
+    gguf = packaged_gguf("smollm2-135m-instruct")
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def smollm2_tokenizer():
+    """SmolLM2's BPE tokenizer and ChatML template (a fresh copy: a test may change its template)."""
+    return copy.deepcopy(_smollm2_tokenizer())
 
 
 def test_chat_episode_keeps_sampled_ids_verbatim_when_decode_encode_is_not_the_identity():
