@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 
-from bench.common import median, parse_args, print_table, save_result
+from bench.common import parse_args, print_table, save_result, timed
 from workers.envs.tools import Tool, calculate
 
 FULL = dict(prompts=16, G=8, reps=3)
@@ -56,14 +56,7 @@ def measure(s: dict, tools: str) -> dict:
 
     out = {}
     for name, fn in (("1 engine", one), ("2 engines", two)):
-        fn(0)
-        runs = []
-        for rep in range(s["reps"]):
-            t0 = time.perf_counter()
-            samples = fn(rep + 1)
-            runs.append((time.perf_counter() - t0, samples))
-        sec = median(x[0] for x in runs)
-        samples = runs[-1][1]
+        sec, samples = timed(fn, s["reps"])
         calls = sum(x.episode.tool_calls for x in samples)
         out[name] = {"seconds": sec, "episodes": len(samples), "episodes_per_s": len(samples) / sec,
                      "tool_calls": calls, "turns_mean": sum(x.episode.turns for x in samples) / len(samples)}

@@ -87,6 +87,17 @@ def print_table(title: str, headers: list[str], rows: list[list]) -> str:
     return table
 
 
+def timed(fn, reps: int):
+    """``fn(0)`` once untimed (warm-up), then ``fn(1..reps)`` timed: (median seconds, the last call's result)."""
+    fn(0)
+    runs = []
+    for rep in range(reps):
+        t0 = time.perf_counter()
+        result = fn(rep + 1)
+        runs.append((time.perf_counter() - t0, result))
+    return median(x[0] for x in runs), runs[-1][1]
+
+
 def median(xs) -> float:
     xs = list(xs)
     return statistics.median(xs) if xs else float("nan")

@@ -15,10 +15,9 @@ exactly the requested length; ``--quick``: ``bench-gen-tiny``).
 from __future__ import annotations
 
 import os
-import time
 
 from bench.build_models import model_path
-from bench.common import median, parse_args, print_table, require_model, run_fleetrl, save_result, training_rows
+from bench.common import median, parse_args, print_table, require_model, run_fleetrl, save_result, timed, training_rows
 
 FULL = dict(preset="gen-heavy", P=4, base=dict(G=8, L=64, ranks=2), G=[4, 16], L=[32, 128], ranks=[1],
             steps=3, rollout_prompts=8, rollout_G=8, rollout_L=128, reps=3)
@@ -52,14 +51,8 @@ def rollout_scaling(s: dict) -> dict:
 
     out = {}
     for name, fn in (("1 worker", one), ("2 workers", two)):
-        fn(0)
-        runs = []
-        for r in range(s["reps"]):
-            t0 = time.perf_counter()
-            tokens = fn(r + 1)
-            runs.append((time.perf_counter() - t0, tokens))
-        sec = median(x[0] for x in runs)
-        out[name] = {"seconds": sec, "tokens": runs[-1][1], "tokens_per_s": runs[-1][1] / sec}
+        sec, tokens = timed(fn, s["reps"])
+        out[name] = {"seconds": sec, "tokens": tokens, "tokens_per_s": tokens / sec}
     ray.shutdown()
     return out
 

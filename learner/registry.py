@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 
@@ -23,3 +24,13 @@ class Registry(dict):
         if name not in self:
             raise KeyError(f"unknown {self.kind} {name!r}; valid: {sorted(self)}")
         return self[name]
+
+    def resolve(self, spec: str, key: str):
+        """A registered name, or ``package.module:attr`` imported; ``key`` (the config key) names it in errors."""
+        if ":" not in spec:
+            return self.get_or_raise(spec)
+        module, _, attr = spec.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"{key}: {spec!r} cannot be imported ({e}); registered: {sorted(self)}") from e

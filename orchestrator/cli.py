@@ -125,7 +125,8 @@ def _eval_command(args, cfg: FleetConfig) -> int:
     return 0
 
 
-KIND_ARGS = {"arith": {"kind": "arith"}, "calc": {"kind": "calc", "target_accuracy": None, "max_steps": 300}}
+KIND_ARGS = {"arith": {"kind": "arith"},
+             "calc": {"kind": "calc", "target_accuracy": None, "max_steps": 400, "batch_size": 128}}
 """How each embedded model is warm-started: the default to a target accuracy, the calculator model for a fixed
 number of steps (its demonstrations teach the tool format; accuracy without the tool stays near 0)."""
 

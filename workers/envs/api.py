@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import inspect
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -75,13 +74,7 @@ def load_environment(spec: str) -> type[Environment]:
     """A registered environment name, or ``package.module:Class``."""
     from workers.envs import tool_env  # noqa: F401  (registers the stock environments)
 
-    if ":" not in spec:
-        return ENVIRONMENTS.get_or_raise(spec)
-    module, _, attr = spec.partition(":")
-    try:
-        obj = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"env.name {spec!r}: cannot import it ({e}); registered: {sorted(ENVIRONMENTS)}") from e
+    obj = ENVIRONMENTS.resolve(spec, "env.name")
     if not (inspect.isclass(obj) and issubclass(obj, Environment)):
         raise ValueError(f"env.name {spec!r} is not a workers.envs.api.Environment subclass")
     return obj

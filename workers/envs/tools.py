@@ -6,7 +6,6 @@ never in the rollout actor's interpreter. Register your own with :func:`register
 from __future__ import annotations
 
 import ast
-import importlib
 import operator
 import time
 from collections.abc import Callable
@@ -47,13 +46,7 @@ def register_tool(tool: Tool) -> Tool:
 
 
 def load_tool(spec: str) -> Tool:
-    if ":" not in spec:
-        return TOOLS.get_or_raise(spec)
-    module, _, attr = spec.partition(":")
-    try:
-        obj = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"env.tools: {spec!r} cannot be imported ({e}); registered: {sorted(TOOLS)}") from e
+    obj = TOOLS.resolve(spec, "env.tools")
     if not isinstance(obj, Tool):
         raise ValueError(f"env.tools: {spec!r} is a {type(obj).__name__}, not a workers.envs.tools.Tool")
     return obj
