@@ -224,6 +224,16 @@ class EnvPool(ActorPool):
         return ray.remote(EnvWorker).options(num_cpus=self.cfg.env.num_cpus, max_concurrency=1000,
                                              **self._options(name)).remote(env)
 
+    def heal(self) -> None:
+        """Replace the `env-i` actors that died (between steps: their episodes of the step ended as ``env_error``
+        and their groups were dropped; the rollout actors call env actors directly, so ``fan_out`` never sees the
+        death). Counted in ``faults/env_restarts`` (budget ``rollout.max_restarts``)."""
+        for i, worker in enumerate(self.workers):
+            try:
+                ray.get(worker.open_episodes.remote(), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                self.restart(i, e)
+
 
 class RewardPool(ActorPool):
     """The `reward-i` actors. ``score`` spreads samples over workers and keeps order. With ``reward.model.path``

@@ -302,6 +302,7 @@ class Trainer:
         self.rollouts.resize(want["rollout"])
         self.rewards.resize(want["reward"])
         if self.envs is not None:
+            self.envs.heal()
             self.envs.resize(want["env"])
 
     def _timing(self, timer: PhaseTimer, train_metrics: dict, queued: int) -> dict:
@@ -432,7 +433,7 @@ class Trainer:
             "rollout/policy_version_min": min(x.sample.policy_version for x in scored),
             "rollout/staleness_max": staleness,
             "rollout/workers": len(self.rollouts.workers), "reward/workers": len(self.rewards.workers),
-            **({"env/workers": len(self.envs.workers)} if self.envs else {}),
+            **({"env/workers": len(self.envs.workers), "faults/env_restarts": self.envs.restarts} if self.envs else {}),
             "rollout/samples": len(scored), "rollout/unique_prompts": len({x.sample.prompt_uid for x in scored}),
             "faults/rollout_restarts": self.rollouts.restarts, "faults/reward_restarts": self.rewards.restarts,
             "faults/rollout_recovery_s": self.rollouts.recovery_s, "faults/reward_recovery_s": self.rewards.recovery_s,

@@ -2,10 +2,14 @@
 turn), reward actor, DeepSpeed learner, with the embedded calculator model (built on first use)."""
 
 import json
+import os
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
+from rewards.tasks import MultiplyTask
 from tests.test_e2e import ROOT, run_fleetrl
 from workers.envs.tools import Tool, calculate
 
@@ -38,8 +42,16 @@ def test_three_turn_episodes_train_on_sampled_tokens_only(tmp_path):
         assert row["reward"] in (0.0, 1.0)  # the outcome (math on the last turn); turn rewards join it in the return
 
 
+DIE_ONCE = Path(tempfile.gettempdir()) / "fleetrl-test-env-actor-dies-once"
+STEP_1_CALLS = {f"{p.metadata['a']}*{p.metadata['b']}" for p in MultiplyTask().train_batch(1, 8)}
+
+
 def sleepy(expression: str) -> str:
-    """A calculator that hangs (10 s) when the first factor is odd: about half of the calls."""
+    """A calculator that hangs (10 s) when the first factor is odd (about half of the calls), and kills the
+    process it runs in (an env actor) on its first call for one of step 1's problems."""
+    if expression in STEP_1_CALLS and not DIE_ONCE.exists():
+        DIE_ONCE.touch()
+        os._exit(1)
     if int(expression.split("*")[0] or 0) % 2:
         time.sleep(10)
     return calculate(expression)
@@ -51,15 +63,23 @@ SLEEPY = Tool("calculator", sleepy, "a calculator that often hangs")
 @pytest.mark.e2e
 def test_a_hanging_tool_times_out_without_stalling_the_step(tmp_path):
     """Half the calls hang for 10 s under a 0.5 s tool timeout: each becomes an error observation after 0.5 s,
-    the episodes go on, and both steps complete. The environments (and so the tools) live in an `env-0` actor of
-    their own here (env.num_workers=1), reached from the rollout actor's episodes."""
-    rows = [r for r in run_fleetrl(tmp_path / "run", *COMMON, "env.tools=[tests.test_agents:SLEEPY]",
-                                   "env.tool_timeout_s=0.5", "env.num_workers=1") if "reward/mean" in r]
-    assert all(r["env/workers"] == 1 for r in rows)
-    assert "env-0.log" in {p.name for p in (tmp_path / "run" / "logs").iterdir()}
+    the episodes go on, and the steps complete. The environments (and so the tools) live in 2 `env-i` actors of
+    their own here (env.num_workers=2), reached from the rollout actor's episodes; at step 1 one of them dies:
+    its episodes end as env_error, their groups are dropped, and it is replaced before step 2."""
+    DIE_ONCE.unlink(missing_ok=True)
+    rows = [r for r in run_fleetrl(tmp_path / "run", *COMMON, "trainer.total_steps=3",
+                                   "env.tools=[tests.test_agents:SLEEPY]", "env.tool_timeout_s=0.5",
+                                   "env.num_workers=2") if "reward/mean" in r]
+    assert DIE_ONCE.exists()  # an env actor died
+    assert [r["env/workers"] for r in rows] == [2, 2, 2]
+    assert [r["faults/env_restarts"] for r in rows] == [0, 1, 1]
+    assert rows[1]["env/errored_frac"] > 0 and rows[1]["env/dropped_groups"] >= 1  # the dead actor's episodes
+    assert rows[2]["env/errored_frac"] == 0  # the replacement serves step 2
+    assert {"env-0.log", "env-1.log"} <= {p.name for p in (tmp_path / "run" / "logs").iterdir()}
+    rows = [rows[0], rows[2]]  # the checks below are about hanging tools, not the dead actor
     assert sum(r["env/tool_error_rate"] > 0 for r in rows) >= 1
-    for step, row in enumerate(rows):
-        assert row["env/tool_call_rate"] > 0 and row["env/leak_rate"] < 0.01 and row["env/errored_frac"] == 0
+    for step, row in zip((0, 2), rows):
+        assert row["env/tool_call_rate"] > 0 and row["env/leak_rate"] < 0.01
         assert row["env/tool_latency_p99_s"] < 1.5
         for r in _dumped(tmp_path / "run", step):
             assert all(s < 1.5 for s in r["episode"]["tool_seconds"])
