@@ -7,25 +7,12 @@ For the reward actors a sample's ``completion_text`` is the episode's last assis
 
 from __future__ import annotations
 
-import dataclasses
-
 from workers.envs.api import load_environment
 from workers.envs.episode import Episode, EpisodeLimits, run_episode
+from workers.envs.remote import RemoteEnv
 from workers.envs.renderers import ChatTemplateRenderer, TextRenderer
-from workers.envs.tools import load_tool
+from workers.envs.tool_env import env_tools, make_environment
 from workers.records import EpisodeStats, Sample
-
-
-def env_tools(env: dict) -> list:
-    """The ``env.tools``, with the config's timeout and output cap."""
-    return [dataclasses.replace(load_tool(t), timeout_s=env["tool_timeout_s"],
-                                max_output_chars=env["max_tool_output_chars"]) for t in env["tools"]]
-
-
-def make_environment(env: dict):
-    """A fresh environment of the ``env`` config section (the stock ``tool`` one gets ``env.tools``)."""
-    cls = load_environment(env["name"])
-    return cls(env_tools(env), **env["args"]) if env["name"] == "tool" else cls(**env["args"])
 
 
 class EpisodeFactory:
@@ -47,8 +34,6 @@ class EpisodeFactory:
 
     def make_env(self):
         if self.env_actors:
-            from workers.envs.remote import RemoteEnv
-
             self.turn += 1
             return RemoteEnv(self.env_actors[self.turn % len(self.env_actors)], self.name)
         return make_environment(self.env)

@@ -72,8 +72,6 @@ def register_environment(name: str):
 
 def load_environment(spec: str) -> type[Environment]:
     """A registered environment name, or ``package.module:Class``."""
-    from workers.envs import tool_env  # noqa: F401  (registers the stock environments)
-
     obj = ENVIRONMENTS.resolve(spec, "env.name")
     if not (inspect.isclass(obj) and issubclass(obj, Environment)):
         raise ValueError(f"env.name {spec!r} is not a workers.envs.api.Environment subclass")

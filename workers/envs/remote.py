@@ -11,12 +11,11 @@ import itertools
 
 from workers.actor_logs import LoggedActor
 from workers.envs.api import Action, Environment, Message, StepResult, call
+from workers.envs.tool_env import make_environment
 
 
 class EnvWorker(LoggedActor):
     def __init__(self, env: dict):
-        from workers.episodes import make_environment
-
         self._start_logging()
         self.make = lambda: make_environment(env)
         self.envs: dict[str, Environment] = {}

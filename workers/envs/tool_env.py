@@ -4,9 +4,10 @@ without a tool call ends the episode (its text is the answer the reward actors s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
-from workers.envs.api import Action, Environment, Message, StepResult, register_environment
-from workers.envs.tools import Tool, ToolResult, run_tool
+from workers.envs.api import Action, Environment, Message, StepResult, load_environment, register_environment
+from workers.envs.tools import Tool, ToolResult, load_tool, run_tool
 
 
 @register_environment("tool")
@@ -31,3 +32,15 @@ class ToolEnv(Environment):
         if name not in self.tools:
             return ToolResult("", f"unknown tool {name!r}; available: {sorted(self.tools)}", 0.0)
         return await run_tool(self.tools[name], arguments)
+
+
+def env_tools(env: dict) -> list[Tool]:
+    """The ``env.tools`` of an ``env`` config section (a dict), with its timeout and output cap."""
+    return [dataclasses.replace(load_tool(t), timeout_s=env["tool_timeout_s"],
+                                max_output_chars=env["max_tool_output_chars"]) for t in env["tools"]]
+
+
+def make_environment(env: dict) -> Environment:
+    """A fresh environment of an ``env`` config section (the stock ``tool`` one gets ``env.tools``)."""
+    cls = load_environment(env["name"])
+    return cls(env_tools(env), **env["args"]) if env["name"] == "tool" else cls(**env["args"])
