@@ -34,7 +34,7 @@ def measure(s: dict, tools: str) -> dict:
 
     from orchestrator.cli import ensure_model
     from orchestrator.config import load_config
-    from orchestrator.pools import RolloutPool
+    from orchestrator.pools import RolloutPool, env_spec
     from orchestrator.trainer import make_task, max_model_len
 
     cfg = load_config("configs/tool_calc.yaml", ["rollout.num_workers=2", f"env.tools=[{tools}]",
@@ -44,7 +44,7 @@ def measure(s: dict, tools: str) -> dict:
              runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
     pool = RolloutPool(cfg, max_model_len=max_model_len(cfg))
     prompts = make_task(cfg).train_batch(0, s["prompts"])
-    env = {**cfg.env.model_dump(), "system_prompt": None}
+    env = env_spec(cfg)
     triples = [(p.uid, p.text, p.metadata) for p in prompts]
     r = cfg.rollout
 

@@ -171,7 +171,7 @@ class RolloutPool(ActorPool):
         r = self.cfg.rollout
         parts = _chunks([(p.uid, p.text, p.metadata) for p in prompts], len(self.workers))
         if self.cfg.env.name:
-            env = {**self.cfg.env.model_dump(), "system_prompt": self.cfg.data.system_prompt}
+            env = env_spec(self.cfg)
             actors = self.envs.workers if self.envs else None
             outs = self.fan_out(lambda w, part: w.run_episodes.remote(part, group_size, env, r.max_new_tokens,
                                                                       temperature, r.top_p, seed, actors), parts)
@@ -220,9 +220,8 @@ class EnvPool(ActorPool):
     def _spawn(self, index: int, name: str):
         from workers.envs.remote import EnvWorker
 
-        env = {**self.cfg.env.model_dump(), "system_prompt": self.cfg.data.system_prompt}
         return ray.remote(EnvWorker).options(num_cpus=self.cfg.env.num_cpus, max_concurrency=1000,
-                                             **self._options(name)).remote(env)
+                                             **self._options(name)).remote(env_spec(self.cfg))
 
     def heal(self) -> None:
         """Replace the `env-i` actors that died (between steps: their episodes of the step ended as ``env_error``
@@ -402,6 +401,11 @@ class LearnerGroup:
 
     def load_checkpoint(self, path: str) -> None:
         self._get([w.load_checkpoint.remote(path) for w in self.ranks])
+
+
+def env_spec(cfg: FleetConfig) -> dict:
+    """The ``env`` section as the rollout and env actors get it (a dict), with ``data.system_prompt``."""
+    return {**cfg.env.model_dump(), "system_prompt": cfg.data.system_prompt}
 
 
 def log_env(cfg: FleetConfig) -> dict[str, str]:

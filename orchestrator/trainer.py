@@ -30,6 +30,7 @@ from orchestrator.run_status import RunStatus
 from orchestrator.weight_sync import make_weight_sync
 from rewards.functions import is_correct
 from rewards.tasks import make_task_from_config
+from workers.envs.episode import LIMITED
 from workers.prompts import pad_token_id
 from workers.records import ScoredSample
 
@@ -472,7 +473,7 @@ def episode_metrics(samples: list) -> dict:
            "env/turns_mean": turns / n,
            "env/tokens_mean": sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples) / n,
            "env/observation_token_frac": sum(e.observation_tokens for e in eps) / max(completion, 1),
-           "env/truncated_frac": sum(e.termination in LIMIT_REASONS for e in eps) / n,
+           "env/truncated_frac": sum(e.termination in LIMITED for e in eps) / n,
            "env/errored_frac": sum(e.errored for e in eps) / n,
            "env/leak_rate": sum(e.leaked_turns for e in eps) / max(turns, 1)}
     for reason in sorted({e.termination for e in eps}):
@@ -481,10 +482,6 @@ def episode_metrics(samples: list) -> dict:
         out["env/tool_latency_p50_s"] = latency[len(latency) // 2]
         out["env/tool_latency_p99_s"] = latency[min(len(latency) - 1, int(0.99 * len(latency)))]
     return out
-
-
-LIMIT_REASONS = ("max_turns", "max_tool_calls", "max_total_tokens", "truncated")
-"""Termination reasons that mean an episode was cut by a limit (``env/truncated_frac``)."""
 
 
 def _step_ends(token_texts: list[str], separator: str) -> list[int]:
@@ -579,6 +576,7 @@ def max_model_len(cfg: FleetConfig) -> int:
 def _cpus_needed(cfg: FleetConfig) -> float:
     learner_groups = 2 if cfg.algorithm.uses_critic else 1
     rm = cfg.reward.model
-    return (cfg.rollout.num_workers * cfg.rollout.num_cpus + cfg.reward.num_workers * cfg.reward.num_cpus
+    envs = cfg.env.num_workers * cfg.env.num_cpus if cfg.env.name else 0.0
+    return (envs + cfg.rollout.num_workers * cfg.rollout.num_cpus + cfg.reward.num_workers * cfg.reward.num_cpus
             + learner_groups * cfg.learner.num_ranks * cfg.learner.num_cpus
             + (rm.num_workers * rm.num_cpus if rm.path else 0))

@@ -24,7 +24,7 @@ class EpisodeFactory:
         self.env, self.env_actors, self.name = env, list(env_actors or []), name
         self.tools = env_tools(env)
         self.env_class = load_environment(env["name"])  # fails here, clearly, before any episode starts
-        self.turn = 0
+        self.next_actor = 0  # round robin over env_actors
         chat = env["renderer"] == "chat" or (env["renderer"] == "auto" and getattr(tokenizer, "chat_template", None))
         self.renderer = ChatTemplateRenderer(tokenizer, self.tools, env.get("system_prompt")) if chat else \
             TextRenderer(tokenizer)
@@ -34,8 +34,8 @@ class EpisodeFactory:
 
     def make_env(self):
         if self.env_actors:
-            self.turn += 1
-            return RemoteEnv(self.env_actors[self.turn % len(self.env_actors)], self.name)
+            self.next_actor += 1
+            return RemoteEnv(self.env_actors[self.next_actor % len(self.env_actors)], self.name)
         return make_environment(self.env)
 
     def episode(self, prompt, metadata: dict, seed: int | None, turn_seed):

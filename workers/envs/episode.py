@@ -34,6 +34,9 @@ class EpisodeLimits:
 
 
 ERRORED = ("timeout", "env_error")
+"""Terminations of an episode that failed (its group is dropped by default, ``env.errored``)."""
+LIMITED = ("max_turns", "max_tool_calls", "max_total_tokens", "truncated")
+"""Terminations of an episode cut by a limit (``env/truncated_frac``)."""
 
 
 @dataclass
