@@ -32,9 +32,28 @@ def assemble_advantages(cfg, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]
     return fn(cfg, x)
 
 
+OBJECTIVE_KEYS = {"policy": POLICY_LOSS_KEYS, "sft": (), "dpo": ("beta", "label_smoothing")}
+"""Each learner objective's settings, read from the algorithm section."""
+
+
 def loss_kwargs(cfg) -> dict:
-    """Keyword arguments of :func:`learner.losses.policy_loss` (the learner sees only these)."""
-    return {k: getattr(cfg, k) for k in POLICY_LOSS_KEYS}
+    """The learner's objective (a registered loss) and its keyword arguments (the learner sees only these)."""
+    return {"objective": cfg.objective, **{k: getattr(cfg, k) for k in OBJECTIVE_KEYS[cfg.objective]}}
+
+
+def preference_pairs(rewards: Sequence[float], prompt_uids: Sequence[str], min_gap: float) -> list[tuple[int, int]]:
+    """Online DPO: per prompt group (in order of first appearance), the (best, worst) sample indices by reward when
+    the rewards differ by at least ``min_gap``; ties go to the earlier sample."""
+    groups: dict[str, list[int]] = {}
+    for i, uid in enumerate(prompt_uids):
+        groups.setdefault(uid, []).append(i)
+    pairs = []
+    for rows in groups.values():
+        best = max(rows, key=lambda i: (rewards[i], -i))
+        worst = min(rows, key=lambda i: (rewards[i], i))
+        if rewards[best] - rewards[worst] >= min_gap and best != worst:
+            pairs.append((best, worst))
+    return pairs
 
 
 def critic_loss_kwargs(cfg) -> dict:

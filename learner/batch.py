@@ -30,6 +30,8 @@ class TrainBatch:
     old_values: Tensor | None = None  # [B, T] critic values before the update
     # global counts of the minibatch this shard belongs to (set by split)
     scale: LossScale | None = None
+    # consecutive rows that must stay in one micro-batch and on one rank: 2 for preference pairs (DPO)
+    rows_per_unit: int = 1
 
     @property
     def size(self) -> int:
@@ -53,15 +55,18 @@ class TrainBatch:
                                 if isinstance(getattr(self, f.name), Tensor)})
 
     def with_scale(self) -> TrainBatch:
-        """This batch as a whole minibatch: its own global counts."""
-        scale = LossScale(num_seqs=self.size, num_tokens=int(self.response_mask.sum()),
+        """This batch as a whole minibatch: its own global counts. A batch of row units (preference pairs) counts
+        only the rows that carry tokens, so filler pairs do not dilute the per-pair mean."""
+        seqs = self.size if self.rows_per_unit == 1 else int((self.response_mask.sum(-1) > 0).sum())
+        scale = LossScale(num_seqs=seqs, num_tokens=int(self.response_mask.sum()),
                           max_len=self.response_mask.shape[1])
         return replace(self, scale=scale)
 
     def shards(self, n: int) -> list[TrainBatch]:
-        """Split rows into ``n`` equal contiguous shards that keep this batch's global ``scale``."""
-        if self.size % n:
-            raise ValueError(f"batch of {self.size} sequences does not split into {n} equal shards")
+        """Split rows into ``n`` equal contiguous shards that keep this batch's global ``scale`` (and whole units)."""
+        if self.size % (n * self.rows_per_unit):
+            raise ValueError(f"batch of {self.size} sequences does not split into {n} equal shards of whole "
+                             f"{self.rows_per_unit}-row units")
         k = self.size // n
         return [self.select(slice(i * k, (i + 1) * k)) for i in range(n)]
 

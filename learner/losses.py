@@ -12,6 +12,7 @@ Imports only torch.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Literal
 
@@ -145,10 +146,52 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     return loss, {"critic/value_loss": loss.detach(), "critic/clip_frac": aggregate(clipped, mask, "token_mean", tok)}
 
 
+@register_loss("sft")
 def sft_loss(logp: Tensor, mask: Tensor, scale: LossScale) -> tuple[Tensor, dict]:
-    """Negative log-likelihood of the response tokens, token mean over the minibatch."""
+    """Negative log-likelihood of the response tokens, token mean over the minibatch (only tokens with mask 1:
+    the assistant's, never the prompt's, system's or user's)."""
     loss = aggregate(-logp, mask, "token_mean", scale)
-    return loss, {"sft/nll": loss.detach()}
+    return loss, {"sft/nll": loss.detach(), "actor/loss": loss.detach()}
 
 
-register_loss("sft")(sft_loss)
+@register_loss("dpo")
+def dpo_loss(logp: Tensor, ref_logp: Tensor, mask: Tensor, scale: LossScale, *, beta: float = 0.1,
+             label_smoothing: float = 0.0) -> tuple[Tensor, dict]:
+    """DPO (Rafailov et al. 2023) on preference pairs laid out as consecutive rows: row ``2k`` the chosen response,
+    row ``2k + 1`` the rejected one, of the same prompt. With sequence logprobs ``c, r`` (policy) and ``c0, r0``
+    (reference), the margin is ``z = beta * ((c - c0) - (r - r0))`` and the loss
+    ``-(1 - ls) * log sigmoid(z) - ls * log sigmoid(-z)`` (``ls`` = label smoothing, cDPO), averaged over the
+    minibatch's pairs (``scale.num_seqs / 2``). A pair with an empty row (a filler) adds nothing."""
+    if logp.shape[0] % 2:
+        raise ValueError(f"dpo_loss needs (chosen, rejected) row pairs, got {logp.shape[0]} rows")
+    m = mask.to(logp.dtype)
+    seq, ref = (logp * m).sum(-1).view(-1, 2), (ref_logp * m).sum(-1).view(-1, 2)
+    real = (m.sum(-1) > 0).view(-1, 2).all(-1).to(logp.dtype)
+    chosen_reward, rejected_reward = beta * (seq[:, 0] - ref[:, 0]), beta * (seq[:, 1] - ref[:, 1])
+    z = chosen_reward - rejected_reward
+    per_pair = -(1.0 - label_smoothing) * torch.nn.functional.logsigmoid(z) \
+        - label_smoothing * torch.nn.functional.logsigmoid(-z)
+    pairs = max(scale.num_seqs // 2, 1)
+
+    def share(v: Tensor) -> Tensor:
+        return (v.detach() * real).sum() / pairs
+
+    loss = (per_pair * real).sum() / pairs
+    return loss, {"dpo/loss": loss.detach(), "dpo/reward_margin": share(z),
+                  "dpo/preference_accuracy": share((z > 0).to(logp.dtype)),
+                  "dpo/chosen_reward": share(chosen_reward), "dpo/rejected_reward": share(rejected_reward),
+                  "dpo/chosen_logp": share(seq[:, 0]), "dpo/rejected_logp": share(seq[:, 1]),
+                  "actor/loss": loss.detach()}
+
+
+def call_loss(name: str, inputs: dict, settings: dict) -> tuple[Tensor, dict]:
+    """Run the registered loss ``name`` on the micro-batch ``inputs`` its signature names (``logp``, ``mask``,
+    ``scale``, ``old_logp``, ``advantages``, ``ref_logp``, ``entropy``, ``rollout_logp``) and its ``settings``.
+    A required input the batch lacks (None) is an error naming it."""
+    fn = LOSSES.get_or_raise(name)
+    params = inspect.signature(fn).parameters
+    missing = [k for k, p in params.items() if p.default is p.empty and p.kind != p.KEYWORD_ONLY
+               and inputs.get(k) is None]
+    if missing:
+        raise ValueError(f"loss {name!r} needs {missing}, which this batch does not carry")
+    return fn(**{k: v for k, v in inputs.items() if k in params}, **settings)

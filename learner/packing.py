@@ -124,16 +124,20 @@ def micro_batches(shard: TrainBatch, size: int, token_budget: int | None, count:
     """The shard's micro-batches: ``size`` rows each, or (``token_budget`` set) at most that many real tokens
     each. ``count`` (>= the planned number) pads the list with :func:`filler` micro-batches, so every rank runs
     the same number of forward passes (ZeRO-3 gathers parameters collectively in each)."""
+    u = shard.rows_per_unit  # rows that stay together (a preference pair): plan over units, then expand
     if token_budget:
-        plan = plan_micro_batches(token_counts(shard), token_budget)
+        counts = token_counts(shard)
+        plan = plan_micro_batches([sum(counts[i: i + u]) for i in range(0, shard.size, u)], token_budget)
     else:
-        plan = [list(range(i, min(i + size, shard.size))) for i in range(0, shard.size, size)]
-    out = [shard.select(torch.tensor(rows)) for rows in plan]
+        units, per = shard.size // u, max(1, -(-size // u))
+        plan = [list(range(i, min(i + per, units))) for i in range(0, units, per)]
+    out = [shard.select(torch.tensor([k * u + j for k in units_ for j in range(u)])) for units_ in plan]
     return out + [filler(shard)] * max(0, (count or 0) - len(out))
 
 
 def filler(shard: TrainBatch) -> TrainBatch:
-    """An empty micro-batch: the shard's first row with response mask 0 (a forward pass that adds nothing)."""
-    empty = shard.select(slice(0, 1))
+    """An empty micro-batch: the shard's first unit (row, or pair) with response mask 0 (a forward pass that adds
+    nothing)."""
+    empty = shard.select(slice(0, shard.rows_per_unit))
     empty.response_mask = torch.zeros_like(empty.response_mask)
     return empty

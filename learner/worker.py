@@ -69,9 +69,12 @@ class LearnerWorker(LoggedActor):
         _disable_dropout(model)  # the learner's logprobs must equal the engine's (and the old policy's)
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
         _load_checkpoints_weights_only(self.engine)
-        self.loss_kwargs = loss_kwargs
+        # the registered loss (learner.losses.LOSSES) this group trains with, and its settings
+        self.objective = loss_kwargs.get("objective", "value" if role == "critic" else "policy")
+        self.loss_kwargs = {k: v for k, v in loss_kwargs.items() if k != "objective"}
         self.layout = layout or Layout()
-        self.with_entropy = self.layout.entropy or bool(loss_kwargs.get("entropy_coef"))
+        self.with_entropy = self.objective == "policy" and (self.layout.entropy
+                                                            or bool(loss_kwargs.get("entropy_coef")))
         # a token budget gives ranks different micro-batch counts: they agree on the largest over this group
         self._count_group = torch.distributed.new_group(backend="gloo") if world_size > 1 else None
         self.temperature = temperature
@@ -194,27 +197,29 @@ class LearnerWorker(LoggedActor):
             group["lr"] = lr
 
     def _actor_loss(self, mb: TrainBatch, first_pass: bool = False):
-        """Policy loss of one micro-batch. When the driver sent no reference logprobs the reference forward runs
-        here, fused into the training pass (no separate round trip); when it sent no old logprobs (a batch used
-        once) this first pass's own logprobs are the old ones. On the first pass over the batch (weights not yet
-        updated) the largest |learner - engine| logprob gap of the sampled tokens is measured for free."""
+        """The objective's loss of one micro-batch (policy gradient, SFT, DPO: :func:`learner.losses.call_loss`).
+        When the driver sent no reference logprobs the reference forward runs here, fused into the training pass
+        (no separate round trip); when it sent no old logprobs (a batch used once) this first pass's own logprobs
+        are the old ones. On the first pass over a policy-gradient batch (weights not yet updated) the largest
+        |learner - engine| logprob gap of the sampled tokens is measured for free."""
         import torch
 
-        from learner.losses import policy_loss
+        from learner.losses import call_loss
 
         if mb.ref_logprobs is None and self.ref is not None:
             with torch.no_grad():
                 mb = replace(mb, ref_logprobs=self._forward(self.ref, mb)[0])
         logp, entropy = self._forward(self.engine, mb, with_entropy=self.with_entropy)
         mb = mb.to(self.device)
-        if mb.old_logprobs is None:  # the batch is used once: the policy before this update is the current one
+        if mb.old_logprobs is None and self.objective == "policy":  # used once: the current policy is the old one
             if not first_pass:
                 raise ValueError("old_logprobs are needed after the first pass (more than one epoch or minibatch)")
             mb = replace(mb, old_logprobs=logp.detach())
-        loss, metrics = policy_loss(logp, mb.old_logprobs, mb.advantages, mb.response_mask, mb.scale,
-                                    ref_logp=mb.ref_logprobs, entropy=entropy, rollout_logp=mb.rollout_logprobs,
-                                    **self.loss_kwargs)
-        if first_pass:
+        inputs = {"logp": logp, "old_logp": mb.old_logprobs, "advantages": mb.advantages, "mask": mb.response_mask,
+                  "scale": mb.scale, "ref_logp": mb.ref_logprobs, "entropy": entropy,
+                  "rollout_logp": mb.rollout_logprobs}
+        loss, metrics = call_loss(self.objective, inputs, self.loss_kwargs)
+        if first_pass and self.objective == "policy":
             gap = ((logp.detach() - mb.rollout_logprobs).abs() * mb.response_mask).max()
             metrics["actor/rollout_logprob_gap_max"] = gap
         return loss, metrics

@@ -39,6 +39,8 @@ class LossConfig(Section):
 
     uses_critic: ClassVar[bool] = False
     uses_step_rewards: ClassVar[bool] = False
+    objective: ClassVar[str] = "policy"
+    """The registered learner loss (`learner.losses.LOSSES`) this algorithm trains with."""
 
     def needs_reference(self) -> bool:
         """Whether a loss or reward term reads the frozen reference policy's logprobs."""
@@ -147,6 +149,49 @@ class PPOConfig(LossConfig):
         return self.kl_coef > 0 or self.kl_reward_coef > 0
 
 
+class ObjectiveConfig(Section):
+    """Base of the algorithms that are not policy gradients: no advantages, no ratio clipping."""
+
+    uses_critic: ClassVar[bool] = False
+    uses_step_rewards: ClassVar[bool] = False
+    mask_truncated: ClassVar[bool] = False
+    tis_cap: ClassVar[float | None] = None
+
+
+class SFTConfig(ObjectiveConfig):
+    """Supervised fine-tuning (`fleetrl sft`, the SFT of `fleetrl rft` and `fleetrl distill`): the token-mean
+    negative log-likelihood of the trained tokens (the assistant's; never the prompt's, system's or user's)."""
+
+    name: Literal["sft"] = "sft"
+    """Selects this objective: `algorithm.name: sft` (set by `fleetrl sft`, `rft` and `distill`)."""
+    objective: ClassVar[str] = "sft"
+
+    def needs_reference(self) -> bool:
+        return False
+
+
+class DPOConfig(ObjectiveConfig):
+    """DPO (Rafailov et al. 2023): a policy trained to prefer chosen over rejected responses, relative to the
+    frozen reference (the stage's starting policy). Offline from `pairs`, or online from the rollout groups: each
+    group's best and worst sample by reward, when their rewards differ by at least `min_reward_gap`."""
+
+    name: Literal["dpo"] = "dpo"
+    """Selects this algorithm: `algorithm.name: dpo`."""
+    objective: ClassVar[str] = "dpo"
+    beta: float = Field(0.1, gt=0.0, le=100.0)
+    """Inverse temperature of the implicit reward beta * log(pi / pi_ref)."""
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
+    """Conservative DPO: the probability that a preference label is flipped (0: plain DPO)."""
+    pairs: str | None = None
+    """Offline DPO: a JSONL file of `prompt`, `chosen`, `rejected` (strings, or chat message lists). None: online
+    DPO from the rollout groups."""
+    min_reward_gap: float = Field(0.5, ge=0.0)
+    """Online DPO: a group gives a (best, worst) pair only when their rewards differ by at least this."""
+
+    def needs_reference(self) -> bool:
+        return True
+
+
 ALGORITHMS = (GRPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, ReinforcePPBaselineConfig, GDPOConfig,
-              GRPOProcessConfig, PPOConfig)
+              GRPOProcessConfig, PPOConfig, SFTConfig, DPOConfig)
 AlgorithmConfig = Annotated[Union[ALGORITHMS], Field(discriminator="name")]  # noqa: UP007 - a tuple of classes

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
 
-from orchestrator.config import CALC_MODEL_PATH, EMBEDDED_MODEL_PATH, ConfigError, FleetConfig, dump_config, load_config
+from orchestrator.config import EMBEDDED_MODEL_PATH, EMBEDDED_MODELS, ConfigError, FleetConfig, dump_config, load_config
 from rewards.datasets import DatasetError
 
 
@@ -37,8 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     im.add_argument("--out", help=f"model directory (default: {EMBEDDED_MODEL_PATH}; .fleetrl/models/NAME with --from)")
     im.add_argument("--seed", type=int, default=0, help="embedded model only")
     im.add_argument("--kind", choices=sorted(KIND_ARGS), default="arith",
-                    help=f"embedded model only: arith (default, {EMBEDDED_MODEL_PATH}) or calc (the calculator tool "
-                    f"model, {CALC_MODEL_PATH})")
+                    help="embedded model only: " + ", ".join(f"{k} ({p})" for p, k in EMBEDDED_MODELS.items()))
     im.add_argument("--target-accuracy", type=float, default=0.2,
                     help="embedded model only: stop the warm start at this accuracy")
     im.add_argument("--force", action="store_true", help="rebuild even if it exists")
@@ -71,7 +71,6 @@ def _cluster_parsers(sub) -> None:
 
 
 def _cluster_command(args) -> int:
-    import json
 
     from orchestrator import jobs
 
@@ -104,7 +103,24 @@ def _eval_parsers(sub) -> None:
     rf = sub.add_parser("rft", help="rejection-sampling fine-tuning: keep verified-correct samples, SFT on them")
     rf.add_argument("-c", "--config", help="YAML config file")
     rf.add_argument("--rounds", type=int, help="rounds (default: rft.rounds)")
-    rf.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=8")
+    for name, help_ in (("sft", "supervised fine-tuning on sft.data (JSONL) on the learner group"),
+                        ("distill", "a teacher (distill.teacher) answers training prompts, the verified answers are "
+                         "kept, the student (model.path) is fine-tuned on them")):
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("-c", "--config", help="YAML config file")
+    for sp in (rf, *[sub.choices[n] for n in ("sft", "distill")]):
+        sp.add_argument("--resume", help="'auto' (newest complete checkpoint of run.dir) or a checkpoint dir")
+        sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=8")
+    pl = sub.add_parser("pipeline", help="run a recipe: stages (sft, rl, rft, distill, dpo) in order, each from the "
+                        "previous stage's model; rerun the same command to resume after a crash")
+    pl.add_argument("-c", "--config", required=True, help="recipe YAML: base config and stages")
+    pl.add_argument("overrides", nargs="*", help="dotted overrides applied to every stage")
+    da = sub.add_parser("data", help="write training data: cold-start SFT rows for a built-in task")
+    da.add_argument("action", choices=["cold-start"])
+    da.add_argument("--task", required=True, help="built-in task (arithmetic, countdown)")
+    da.add_argument("--n", type=int, required=True, help="rows")
+    da.add_argument("--out", required=True, help="JSONL file to write")
+    da.add_argument("overrides", nargs="*", help="data.* overrides, e.g. data.prompt_style=text")
 
 
 def _eval_command(args, cfg: FleetConfig) -> int:
@@ -115,17 +131,26 @@ def _eval_command(args, cfg: FleetConfig) -> int:
 
         run_eval(cfg, args.checkpoint, parse_ns(args.n), args.select, args.out)
         return 0
-    from orchestrator.rft import run_rft
-
     try:
-        run_rft(cfg, args.rounds)
+        if args.command == "rft":
+            from orchestrator.recipes.rft import run_rft
+
+            run_rft(cfg, args.rounds, args.resume)
+        elif args.command == "sft":
+            from orchestrator.recipes.sft import run_sft
+
+            run_sft(cfg, args.resume)
+        else:
+            from orchestrator.recipes.distill import run_distill
+
+            run_distill(cfg, args.resume)
     except LearnerDied as e:
         print(f"fleetrl: {e}", file=sys.stderr)
         return 1
     return 0
 
 
-KIND_ARGS = {"arith": {"kind": "arith"},
+KIND_ARGS = {"arith": {"kind": "arith"}, "think": {"kind": "think"},
              "calc": {"kind": "calc", "target_accuracy": None, "max_steps": 400, "batch_size": 128}}
 """How each embedded model is warm-started: the default to a target accuracy, the calculator model for a fixed
 number of steps (its demonstrations teach the tool format; accuracy without the tool stays near 0)."""
@@ -136,10 +161,10 @@ def ensure_model(cfg: FleetConfig) -> None:
     path = Path(cfg.model.path)
     if (path / "config.json").exists():
         return
-    if cfg.model.path in (EMBEDDED_MODEL_PATH, CALC_MODEL_PATH):
+    if cfg.model.path in EMBEDDED_MODELS:
         from orchestrator.embedded_model import init_model
 
-        kind = "calc" if cfg.model.path == CALC_MODEL_PATH else "arith"
+        kind = EMBEDDED_MODELS[cfg.model.path]
         print(f"embedded model missing: building it in {path} (fleetrl init-model --kind {kind})", flush=True)
         init_model(path, seed=cfg.model.init_seed, **KIND_ARGS[kind])
         return
@@ -155,7 +180,7 @@ def _init_model(args) -> int:
         print("fleetrl: init-model --gguf FILE needs --out DIR", file=sys.stderr)
         return 2
     real = args.from_name is not None or args.gguf is not None
-    embedded = CALC_MODEL_PATH if args.kind == "calc" else EMBEDDED_MODEL_PATH
+    embedded = next(p for p, k in EMBEDDED_MODELS.items() if k == args.kind)
     out = Path(args.out or (model_import.default_dir(args.from_name) if real else embedded))
     if (out / "config.json").exists() and not args.force:
         print(f"{out} exists (use --force to rebuild)")
@@ -164,7 +189,7 @@ def _init_model(args) -> int:
         from orchestrator.embedded_model import init_model
 
         kwargs = dict(KIND_ARGS[args.kind])
-        if args.kind == "arith":
+        if args.kind in ("arith", "think"):
             kwargs["target_accuracy"] = args.target_accuracy
         print(init_model(out, seed=args.seed, **kwargs))
         return 0
@@ -216,6 +241,16 @@ def main(argv: list[str] | None = None) -> int:
 
             print(export_policy(Path(args.source), Path(args.out)))
             return 0
+        if args.command == "pipeline":
+            from orchestrator.recipes.pipeline import run_pipeline
+
+            return run_pipeline(args.config, args.overrides)
+        if args.command == "data":
+            from orchestrator.recipes.cold_start import write_cold_start
+
+            cfg = load_config(None, [f"data.task={args.task}", *args.overrides])
+            print(json.dumps(write_cold_start(cfg.data, args.n, args.out, cfg.data.seed)))
+            return 0
         if args.command == "config" and args.action == "docs":
             from orchestrator.config_docs import config_reference_markdown
 
@@ -230,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         from rewards.reward_model import ensure_reward_model
 
         ensure_reward_model(cfg.reward.model.path, cfg.model.path)
-        if args.command in ("eval", "rft"):
+        if args.command in ("eval", "rft", "sft", "distill"):
             return _eval_command(args, cfg)
         return _train(cfg, args.resume)
     except (ConfigError, FileNotFoundError, DatasetError) as e:

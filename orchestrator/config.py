@@ -35,6 +35,10 @@ from orchestrator.section import Section
 EMBEDDED_MODEL_PATH = ".fleetrl/models/arith-base"
 CALC_MODEL_PATH = ".fleetrl/models/calc-base"
 """The embedded calculator model (the tool task, ``configs/tool_calc.yaml``), built on first use like the default."""
+THINK_MODEL_PATH = ".fleetrl/models/arith-think-base"
+"""The R1 recipes' embedded base: the default warm start with ``<think>``/``</think>`` tokens in its vocabulary."""
+EMBEDDED_MODELS = {EMBEDDED_MODEL_PATH: "arith", CALC_MODEL_PATH: "calc", THINK_MODEL_PATH: "think"}
+"""Embedded model directory -> its kind (``fleetrl init-model --kind``)."""
 
 
 class ModelConfig(Section):
@@ -357,6 +361,27 @@ class RFTConfig(Section):
     """A sample is kept when its summed reward is >= this (1.0 with the `math` reward: a correct answer)."""
 
 
+class SFTSection(Section):
+    """`fleetrl sft` (and the SFT of `fleetrl distill`): supervised fine-tuning on the learner group. Each step
+    trains on `data.prompts_per_step * rollout.group_size` rows (the learner's batch); evals use the task's
+    held-out prompts and verifier, as in RL."""
+
+    data: str | None = None
+    """JSONL rows `{"prompt", "response"}` or `{"messages": [...]}` (only assistant tokens are trained);
+    `fleetrl data cold-start` writes such a file for the built-in tasks."""
+
+
+class DistillSection(Section):
+    """`fleetrl distill`: a teacher generates `rollout.group_size` samples for each of `prompts` training prompts
+    on the rollout actors, the task's verifier keeps the correct ones (rejection sampling), and the student
+    (`model.path`) is fine-tuned on them with the `sft` settings."""
+
+    teacher: str | None = None
+    """The teacher: a local HF model directory (any size the engines can hold)."""
+    prompts: int = Field(256, ge=1, le=10**7)
+    """Training prompts the teacher answers."""
+
+
 class EnvConfig(Section):
     """Multi-turn episodes (agentic RL): with `name` set, each of a prompt's G samples is an episode of an
     environment instead of one completion (see docs/agents.md)."""
@@ -410,6 +435,8 @@ class FleetConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     rft: RFTConfig = Field(default_factory=RFTConfig)
+    sft: SFTSection = Field(default_factory=SFTSection)
+    distill: DistillSection = Field(default_factory=DistillSection)
     env: EnvConfig = Field(default_factory=EnvConfig)
 
     @property

@@ -18,16 +18,20 @@ CHARS = list("0123456789+-*=() ")
 TOOL_CHARS = CHARS + list("[]{}")
 """The calculator model's characters: a tool call is ``[expression]``, its observation ``{result}``."""
 SPECIALS = ["<pad>", "<eos>", "<bos>"]
+THINK_WORDS = ["<think>", "</think>"]
+"""The reasoning model's extra tokens (one token each): DeepSeek-R1's ``<think>...</think>`` tags."""
 
 
-def build_tokenizer(chars: list[str] = CHARS):
-    """Character-level tokenizer (tokenizers library) wrapped as a transformers fast tokenizer."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+def build_tokenizer(chars: list[str] = CHARS, words: list[str] = ()):
+    """Character-level tokenizer (tokenizers library) wrapped as a transformers fast tokenizer; ``words`` are
+    whole-word tokens matched before the character split (``<think>``)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars + list(words))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.add_tokens([AddedToken(w, normalized=False) for w in words])
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
     fast.padding_side = "left"
@@ -101,14 +105,15 @@ def init_model(out_dir: str | Path, seed: int = 0, target_accuracy: float | None
                lr: float = 1e-3, batch_size: int = 256, log=print, kind: str = "arith") -> dict:
     """Build, then warm-start (AdamW, linear warmup then constant LR) until the held-out greedy accuracy,
     checked every 25 steps, reaches ``target_accuracy`` (None: run ``max_steps``); save. Returns a summary.
-    ``kind``: ``arith`` (the default model, addition) or ``calc`` (the tool model: multiplication, a minority of
-    demonstrations calling the calculator, see :data:`KINDS`)."""
+    ``kind``: ``arith`` (the default model, addition), ``calc`` (the tool model: multiplication, a minority of
+    demonstrations calling the calculator, see :data:`KINDS`) or ``think`` (the R1 recipes' base: the addition
+    warm start of ``arith``, with ``<think>`` and ``</think>`` in its vocabulary, never seen in training)."""
     if kind not in KINDS:
         raise ValueError(f"embedded model kind {kind!r}; valid: {sorted(KINDS)}")
     chars, examples, evals = KINDS[kind]()
     torch.set_num_threads(2)
     out_dir = Path(out_dir)
-    tokenizer = build_tokenizer(chars)
+    tokenizer = build_tokenizer(chars, THINK_WORDS if kind == "think" else ())
     model = build_model(len(tokenizer), seed)
     ev_prompts, ev_answers = [p.text for p in evals], [p.metadata["answer"] for p in evals]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
@@ -167,5 +172,5 @@ def _calc():
     return TOOL_CHARS, lambda rng, n: task.sft_examples(rng, n, CALC_TOOL_FRACTION), task.eval_set(200)
 
 
-KINDS = {"arith": _arith, "calc": _calc}
+KINDS = {"arith": _arith, "calc": _calc, "think": _arith}
 """Embedded model kind -> (its characters, warm-start examples ``(rng, n)``, held-out prompts)."""

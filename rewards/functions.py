@@ -96,11 +96,18 @@ def math_reward(prompt: str, completion: str, metadata: dict) -> float:
     """1.0 when the completion's final answer (:func:`parse_answer`) equals ``metadata["answer"]``
     mathematically (math-verify's ``verify``), else 0.0. A completion and a reference that are both plain
     integers (``57``, the embedded model's answers) are compared as integers, which is what math-verify
-    concludes for them too, only without parsing."""
-    given, reference = completion.strip(), str(metadata["answer"]).strip()
+    concludes for them too, only without parsing. A reasoning completion (``<think>...</think> answer``,
+    DeepSeek-R1) is graded on what follows its last ``</think>``: the steps are not the answer."""
+    given, reference = final_part(completion), str(metadata["answer"]).strip()
+    completion = given
     if _PLAIN_INT.fullmatch(given) and _PLAIN_INT.fullmatch(reference):
         return float(int(given) == int(reference))
     return float(_verify(_parse_reference(reference), parse_answer(completion)))
+
+
+def final_part(completion: str) -> str:
+    """What follows the completion's last ``</think>`` (the whole completion when it has none), stripped."""
+    return completion.rpartition("</think>")[2].strip()
 
 
 @register_reward("format")

@@ -101,7 +101,7 @@ class ArithmeticTask(Task):
 
     def make(self, uid: str, a: int, b: int) -> Prompt:
         text = f"{a}+{b}=" if self.prompt_style == "compact" else f"What is {a} + {b}?"
-        return Prompt(uid=uid, text=text, metadata={"answer": str(a + b)})
+        return Prompt(uid=uid, text=text, metadata={"answer": str(a + b), "operands": [a, b]})
 
     def _draw_pair(self, rng: random.Random) -> tuple[int, int]:
         while True:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from learner.advantages import get_estimator
-from learner.algorithms import ALGORITHMS, advantage_inputs, assemble_advantages, loss_kwargs
+from learner.algorithms import ALGORITHMS, advantage_inputs, assemble_advantages, loss_kwargs, preference_pairs
+from learner.losses import LOSSES
 from orchestrator import algorithms as algorithm_configs
 from orchestrator.config import load_config
 from orchestrator.trainer import _step_ends
@@ -22,8 +23,11 @@ def algo(name: str, *overrides: str):
 
 
 def test_every_algorithm_config_has_exactly_one_assembly_function():
-    names = {cls.model_fields["name"].default for cls in algorithm_configs.ALGORITHMS}
-    assert names == set(ALGORITHMS)
+    """Policy-gradient algorithms: one advantage assembly each. The others (SFT, DPO) name a registered loss."""
+    policy = {cls.model_fields["name"].default for cls in algorithm_configs.ALGORITHMS if cls.objective == "policy"}
+    assert policy == set(ALGORITHMS)
+    others = {cls.objective for cls in algorithm_configs.ALGORITHMS if cls.objective != "policy"}
+    assert others == {"sft", "dpo"} and others <= set(LOSSES)
 
 
 def test_prompt_uids_become_group_ids_and_components_are_sorted_by_name():
@@ -109,6 +113,16 @@ def test_process_rewards_land_on_the_tokens_that_end_each_step():
 def test_loss_settings_come_from_the_config_section():
     kw = loss_kwargs(algo("grpo", "algorithm.clip_high=0.28", "algorithm.kl_coef=0.05"))
     assert kw["clip_high"] == 0.28 and kw["kl_coef"] == 0.05 and set(kw) >= {"aggregation", "tis_cap"}
+    assert kw["objective"] == "policy"
+    assert loss_kwargs(algo("dpo", "algorithm.beta=0.3")) == {"objective": "dpo", "beta": 0.3, "label_smoothing": 0.0}
+    assert loss_kwargs(algo("sft")) == {"objective": "sft"}
+
+
+def test_online_dpo_pairs_each_groups_best_and_worst_when_the_gap_is_large_enough():
+    rewards = [0.0, 1.0, 0.2, 0.5, 0.5, 0.5, 1.0, 0.0, 1.0]
+    uids = ["a", "a", "a", "b", "b", "b", "c", "c", "c"]
+    assert preference_pairs(rewards, uids, 0.5) == [(1, 0), (6, 7)]  # group b: no gap; c: first best kept
+    assert preference_pairs(rewards, uids, 1.5) == []
 
 
 # ---- multi-turn episodes: interleaved masks, per-turn rewards ---------------------------------------------------

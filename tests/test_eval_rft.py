@@ -14,10 +14,11 @@ import torch
 
 from learner.algorithms import loss_kwargs
 from learner.batch import response_logprobs
-from learner.losses import LossScale, policy_loss, sft_loss
+from learner.losses import LossScale, sft_loss
 from orchestrator.config import ConfigError, load_config
 from orchestrator.evaluate import best_of_n, parse_ns, pass_at_k, summarize
-from orchestrator.rft import SFT_LOSS, keep_verified, rft_config, sft_batch
+from orchestrator.recipes.data import examples_batch, sample_example
+from orchestrator.recipes.rft import keep_verified, rft_config
 from tests.conftest import shared_ray_env
 from tests.test_e2e import ROOT, _check_final_policy
 from workers.records import Sample, ScoredSample
@@ -69,18 +70,17 @@ def test_keep_verified_thresholds_and_dedupes_per_prompt():
     assert keep_verified(xs, threshold=2.0) == []
 
 
-def test_rft_step_is_the_sft_gradient_and_padding_rows_add_nothing():
-    """policy_loss at ratio 1 with advantage 1 (RFT's settings) on the padded batch has the same gradient as
-    learner.losses.sft_loss on the kept samples alone; padding rows get zero gradient."""
+def test_rft_batch_trains_the_kept_samples_only_and_padding_rows_add_nothing():
+    """The kept samples padded to the learner's batch: the sft loss on it has the gradient of the kept samples
+    alone; padding rows get zero gradient."""
     torch.manual_seed(0)
     kept = [_sample("a", [5, 6, 1]), _sample("b", [7, 1], prompt=[3, 4]), _sample("c", [8, 9, 9, 1])]
-    batch = sft_batch(kept, size=8, pad_id=1).with_scale()
+    batch = examples_batch([sample_example(s) for s in kept], size=8, pad_id=1).with_scale()
     assert batch.size == 8 and batch.response_mask[3:].sum() == 0 and batch.scale.num_tokens == 9
     V = 12
     logits = torch.randn(8, batch.input_ids.shape[1], V, requires_grad=True)
     logp, _ = response_logprobs(logits, batch)
-    loss, _ = policy_loss(logp, logp.detach(), batch.advantages, batch.response_mask, batch.scale,
-                          rollout_logp=batch.rollout_logprobs, ref_logp=logp.detach(), **SFT_LOSS)
+    loss, _ = sft_loss(logp, batch.response_mask, batch.scale)
     (grad_rft,) = torch.autograd.grad(loss, logits)
 
     logits_kept = logits.detach()[:3].clone().requires_grad_(True)
@@ -90,14 +90,12 @@ def test_rft_step_is_the_sft_gradient_and_padding_rows_add_nothing():
     (grad_sft,) = torch.autograd.grad(nll, logits_kept)
     assert torch.allclose(grad_rft[:3], grad_sft, atol=1e-7)
     assert grad_sft.abs().sum() > 0 and grad_rft[3:].abs().sum() == 0
-    assert loss.item() == pytest.approx(-1.0, abs=1e-6)  # token mean of -A * ratio with A = ratio = 1
 
 
-def test_rft_config_reduces_the_loss_to_sft():
+def test_rft_config_trains_the_sft_objective():
     cfg = rft_config(load_config(None, ["algorithm.name=ppo", "algorithm.kl_coef=0.1", "learner.epochs=3"]), 4)
-    assert cfg.algorithm.name == "grpo" and not cfg.algorithm.uses_critic
-    kw = loss_kwargs(cfg.algorithm)
-    assert {k: kw[k] for k in SFT_LOSS} == SFT_LOSS
+    assert cfg.algorithm.name == "sft" and not cfg.algorithm.uses_critic
+    assert loss_kwargs(cfg.algorithm) == {"objective": "sft"}
     assert cfg.trainer.total_steps == cfg.rft.rounds == 4 and cfg.trainer.eval_every == 1
     assert cfg.learner.epochs == 1 and cfg.learner.num_minibatches == 1
     with pytest.raises(ConfigError, match="--rounds"):
@@ -147,13 +145,12 @@ def test_rft_end_to_end(tmp_path):
                 "rollout.num_workers=1", "learner.num_ranks=1", "learner.zero_stage=0", "learner.lr=3e-4",
                 "learner.log_kl=true")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    rows = [json.loads(line) for line in (run_dir / "rft_metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2] and not (run_dir / "metrics.jsonl").exists()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r["policy_version"] for r in rows] == [0, 1, 2]
     for r in rows[:2]:
         assert 0.0 < r["rft/kept_fraction"] <= 1.0 and r["rft/kept"] <= 64
-        assert r["weight_sync/logprob_max_diff"] < 1e-3 and r["rft/nll_before"] > 0
+        assert r["weight_sync/logprob_max_diff"] < 1e-3 and r["sft/nll"] > 0
     assert all("eval/accuracy" in r for r in rows)
-    assert rows[1]["kl"] > 0  # the first update moved the policy away from the reference
     assert json.loads((run_dir / "summary.json").read_text())["algorithm"] == "rft"
     _check_final_policy(run_dir / "final")

@@ -7,13 +7,9 @@ Each round, on the same actors as `fleetrl train`:
     (summed reward >= `rft.threshold`, identical completions of a prompt kept once) -> one supervised update on
     them through the DeepSpeed learner group -> push the weights to the engines
 
-The learner stays algorithm-blind: a supervised step is ``policy_loss`` with advantage 1 on every kept token,
-``old_logprobs`` from a no-grad pass of the same weights (so the ratio is exactly 1), no KL, entropy or
-truncated-IS term, token-mean aggregation, one epoch, one minibatch. At ratio 1 the clipped surrogate
-``-A * ratio`` has gradient ``-A * grad log pi``, i.e. exactly the token-mean NLL gradient of
-``learner.losses.sft_loss`` (``tests/test_eval_rft.py`` checks this). The loop, evals, checkpoints and the
-final policy are the Trainer's (:class:`RFTTrainer` replaces only the training step); one row per round goes to
-``<run.dir>/rft_metrics.jsonl``.
+The update is the registered ``sft`` loss (the token-mean NLL of the kept completions, :mod:`orchestrator.recipes.sft`)
+on the same learner group. The loop, evals, checkpoints and the final policy are the Trainer's
+(:class:`RFTTrainer` replaces only the training step); one row per round goes to ``<run.dir>/metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -22,18 +18,15 @@ import json
 import logging
 from pathlib import Path
 
-from learner.batch import TrainBatch, build_batch
 from orchestrator.config import ConfigError, FleetConfig
 from orchestrator.metrics import PhaseTimer
+from orchestrator.recipes.data import examples_batch, sample_example
+from orchestrator.recipes.sft import objective_config
 from orchestrator.trainer import Trainer, learner_metrics
 from rewards.functions import is_correct
-from workers.records import Sample, ScoredSample
+from workers.records import ScoredSample
 
 log = logging.getLogger("fleetrl")
-
-SFT_LOSS = {"kl_coef": 0.0, "tis_cap": None, "entropy_coef": 0.0, "aggregation": "token_mean",
-            "ratio_level": "token", "dual_clip": None}
-"""``policy_loss`` settings that make it the supervised NLL at ratio 1 (see the module docstring)."""
 
 
 def keep_verified(scored: list[ScoredSample], threshold: float) -> list[ScoredSample]:
@@ -48,49 +41,19 @@ def keep_verified(scored: list[ScoredSample], threshold: float) -> list[ScoredSa
     return kept
 
 
-def sft_batch(samples: list[Sample], size: int, pad_id: int) -> TrainBatch:
-    """The kept samples as a batch of exactly ``size`` rows, advantage 1 on every completion token.
-
-    The learner's DeepSpeed config fixes the batch at ``data.prompts_per_step * rollout.group_size`` sequences
-    (micro-batch x accumulation x ranks), and RFT keeps fewer. Rows past the kept ones repeat kept samples
-    with an all-zero response mask: they add no token to the loss nor to its token count (``LossScale`` is
-    computed from the mask), so the update equals the one on the kept samples alone. Repeating real samples
-    (rather than empty rows) keeps every row a valid sequence for the forward pass.
-    """
-    if not 1 <= len(samples) <= size:
-        raise ValueError(f"sft_batch needs 1..{size} samples, got {len(samples)}")
-    rows = [samples[i % len(samples)] for i in range(size)]
-    batch = build_batch([s.prompt_ids for s in rows], [s.completion_ids for s in rows], [s.logprobs for s in rows],
-                        pad_id)
-    batch.response_mask[len(samples):] = 0.0
-    batch.advantages = batch.response_mask.clone()
-    return batch
-
-
 def rft_config(cfg: FleetConfig, rounds: int | None = None) -> FleetConfig:
-    """The config RFT runs with: ``rft.rounds`` (or ``rounds``) training steps, an eval after every round, no
-    dynamic sampling, and the policy loss reduced to the supervised NLL (:data:`SFT_LOSS`, one epoch, one
-    minibatch). The algorithm section is replaced: RFT has no advantage estimator and no critic."""
+    """The config RFT runs with: ``rft.rounds`` (or ``rounds``) training steps, an eval after every round, and the
+    ``sft`` objective (:func:`orchestrator.recipes.sft.objective_config`: no advantage estimator, no critic)."""
     if rounds is not None and rounds < 1:
         raise ConfigError(f"--rounds {rounds}: RFT needs at least 1 round")
-    tree = cfg.model_dump()
+    tree = objective_config(cfg, {"name": "sft"}).model_dump()
     tree["rft"]["rounds"] = rounds or cfg.rft.rounds
     tree["trainer"].update(total_steps=tree["rft"]["rounds"], eval_every=1)
-    tree["rollout"]["dynamic_sampling"] = False
-    tree["learner"].update(epochs=1, num_minibatches=1)
-    tree["algorithm"] = {"name": "grpo", **SFT_LOSS}
     return FleetConfig.model_validate(tree)
 
 
 class RFTTrainer(Trainer):
     """The Trainer's loop (evals, checkpoints, metrics, final policy) with the RFT round as its training step."""
-
-    def start(self) -> None:
-        super().start()
-        # RFT rounds are logged to their own file (TensorBoard and progress.png as for training)
-        (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        self.metrics.path = self.run_dir / "rft_metrics.jsonl"
-        self.metrics.path.write_text("")
 
     def train_step(self, step: int) -> dict:
         """One round: generate, score, keep the verified-correct samples, supervised update, push weights."""
@@ -104,11 +67,7 @@ class RFTTrainer(Trainer):
                "train/accuracy": sum(correct) / len(correct), "reward/errors": reward_errors,
                "reward/mean": sum(x.reward for x in scored) / len(scored), "rollout/samples": len(scored)}
         if kept:
-            with timer("logprobs"):
-                batch = self.learner.compute_logprobs(sft_batch([x.sample for x in kept], len(scored), self.pad_id))
-            mask = batch.response_mask.bool()
-            out["rollout/logprob_gap_max"] = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask].max().item()
-            out["rft/nll_before"] = -batch.old_logprobs[mask].mean().item()  # token-mean NLL of the kept samples
+            batch = examples_batch([sample_example(x.sample) for x in kept], len(scored), self.pad_id)
             with timer("learn"):
                 out.update(learner_metrics(self.learn(batch)))
             with timer("sync"):
@@ -128,14 +87,14 @@ class RFTTrainer(Trainer):
         summary_path.write_text(json.dumps(summary, indent=1))
 
 
-def run_rft(cfg: FleetConfig, rounds: int | None = None) -> list[dict]:
+def run_rft(cfg: FleetConfig, rounds: int | None = None, resume: str | None = None) -> list[dict]:
     """Check the run directory, start (or join) Ray, run the rounds; returns the per-round rows."""
     from orchestrator.trainer import init_ray
 
     cfg = rft_config(cfg, rounds)
-    if (Path(cfg.run.dir) / "metrics.jsonl").exists():
+    if (Path(cfg.run.dir) / "metrics.jsonl").exists() and not resume:
         raise ConfigError(f"run.dir={cfg.run.dir} holds a training run (metrics.jsonl); RFT would overwrite its "
                           "final policy: give a fresh run.dir (and the trained policy as model.path)")
-    trainer = RFTTrainer(cfg)
+    trainer = RFTTrainer(cfg, resume)
     init_ray(cfg)
     return trainer.run()

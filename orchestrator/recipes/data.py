@@ -1,0 +1,215 @@
+"""Supervised and preference data: JSONL rows checked line by line, rendered to the learner's token layout.
+
+SFT rows: ``{"prompt": str | messages, "response": str}`` or ``{"messages": [...]}`` (roles system, user,
+assistant; at least one assistant turn). Preference rows: ``{"prompt", "chosen", "rejected"}``, each a string or
+a message list (the chosen/rejected list is the assistant's turn(s) after the prompt).
+
+Rendering follows the RL prompts exactly (:class:`workers.prompts.PromptRenderer`: the tokenizer's chat template,
+or the raw text for the embedded model), so what SFT teaches is what the engines are later prompted with. Only
+assistant tokens are trained: the prompt is the left part of the row, and inside the completion every system or
+user message, and the template's glue around turns, has loss mask 0.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from rewards.datasets import DatasetError
+from workers.prompts import PromptRenderer
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class Example:
+    """One trained sequence: prompt ids (never trained), completion ids and their loss mask."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    loss_mask: list[int]
+
+
+def read_jsonl(path: str | Path, what: str) -> list[tuple[int, dict]]:
+    """``(line number, object)`` of every non-empty line; an unreadable file or a line that is not a JSON object is
+    an error naming the file and line."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise DatasetError(f"{what} {path}: cannot read it ({e.strerror})") from e
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+        if not isinstance(row, dict):
+            raise DatasetError(f"{path}:{n}: a row must be a JSON object, got {type(row).__name__}")
+        rows.append((n, row))
+    if not rows:
+        raise DatasetError(f"{what} {path} has no rows")
+    return rows
+
+
+def _check_messages(messages, where: str, need_assistant: bool) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise DatasetError(f"{where}: messages must be a non-empty list of {{role, content}}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise DatasetError(f"{where}: message {i} must be {{'role': one of {list(ROLES)}, 'content': str}}, "
+                               f"got {m!r:.120}")
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise DatasetError(f"{where}: messages have no assistant turn (nothing to train on)")
+    return messages
+
+
+def _text_or_messages(value, where: str, key: str, need_assistant: bool = False):
+    if isinstance(value, str):
+        if not value.strip():
+            raise DatasetError(f"{where}: {key!r} is empty")
+        return value
+    return _check_messages(value, f"{where} ({key})", need_assistant)
+
+
+def load_sft_rows(path: str | Path) -> list[dict]:
+    """SFT rows as ``{"messages": [...]}`` (a prompt/response row becomes prompt + one assistant turn)."""
+    out = []
+    for n, row in read_jsonl(path, "SFT data"):
+        where = f"{path}:{n}"
+        if "messages" in row:
+            out.append({"messages": _check_messages(row["messages"], where, need_assistant=True)})
+        elif "prompt" in row and "response" in row:
+            prompt = _text_or_messages(row["prompt"], where, "prompt")
+            response = _text_or_messages(row["response"], where, "response")
+            if not isinstance(response, str):
+                raise DatasetError(f"{where}: 'response' must be a string (use 'messages' for several turns)")
+            head = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            out.append({"messages": [*head, {"role": "assistant", "content": response}]})
+        else:
+            raise DatasetError(f"{where}: a row needs 'messages', or 'prompt' and 'response'; it has {sorted(row)}")
+    return out
+
+
+def load_pairs(path: str | Path) -> list[dict]:
+    """Preference rows ``{"prompt", "chosen", "rejected"}``, each checked."""
+    out = []
+    for n, row in read_jsonl(path, "preference pairs"):
+        where = f"{path}:{n}"
+        missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
+        if missing:
+            raise DatasetError(f"{where}: a preference row needs 'prompt', 'chosen' and 'rejected'; missing {missing}")
+        out.append({k: _text_or_messages(row[k], where, k, need_assistant=k != "prompt" and not isinstance(row[k], str))
+                    for k in ("prompt", "chosen", "rejected")})
+    return out
+
+
+def draw(n_rows: int, step: int, k: int, seed: int) -> list[int]:
+    """Row indices of ``step``'s ``k`` examples: consecutive slices of per-epoch seeded shuffles, a pure function
+    of (seed, step), so a resumed run sees what the uninterrupted one would."""
+    out = []
+    for g in range(step * k, (step + 1) * k):
+        epoch, i = divmod(g, n_rows)
+        order = list(range(n_rows))
+        random.Random(f"{seed}:epoch{epoch}").shuffle(order)
+        out.append(order[i])
+    return out
+
+
+class ExampleRenderer:
+    """Rows to :class:`Example` with the run's prompt rendering (``data.prompt_format``, ``data.system_prompt``)."""
+
+    def __init__(self, tokenizer, prompt_format: str = "auto", system_prompt: str | None = None):
+        self.prompts = PromptRenderer(tokenizer, prompt_format, system_prompt)
+        self.tokenizer = tokenizer
+        self.eos = tokenizer.eos_token_id
+
+    def sft(self, messages: list[dict]) -> Example:
+        """Prompt = the messages before the first assistant turn; completion = the rest, assistant tokens trained."""
+        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        head = messages[:first]
+        prompt = head[-1]["content"] if not self.prompts.chat and _single_user(head) else head
+        if not self.prompts.chat and not (_single_user(head) and len(messages) == first + 1):
+            raise DatasetError("a multi-turn (or system) row needs a chat template: this tokenizer has none "
+                               "(data.prompt_format raw); give prompt/response rows")
+        prompt_ids = self.prompts.render(prompt)[1]
+        if not self.prompts.chat:
+            return self._example(prompt_ids, [(messages[first]["content"], True)])
+        return self._example(prompt_ids, self._chat_segments(self.prompts.messages(head), messages[first:]))
+
+    def completion(self, prompt, response) -> Example:
+        """A preference side: the prompt (string or messages) and a response (string or assistant messages)."""
+        head = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        tail = [{"role": "assistant", "content": response}] if isinstance(response, str) else list(response)
+        return self.sft([*head, *tail])
+
+    def _chat_segments(self, head: list[dict], rest: list[dict]) -> list[tuple[str, bool]]:
+        """The text the template adds for each message after ``head`` (and the generation prompt before each
+        assistant turn), with whether it is trained."""
+        def render(msgs, gen):
+            return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
+
+        segments, convo = [], list(head)
+        for m in rest:
+            before = render(convo, m["role"] == "assistant")
+            if segments or m["role"] != "assistant":  # glue before a later assistant turn
+                glue_from = render(convo, False)
+                if not before.startswith(glue_from):
+                    raise DatasetError("the chat template is not prefix-preserving; cannot mask turns exactly")
+                if before != glue_from:
+                    segments.append((before[len(glue_from):], False))
+            convo.append(m)
+            after = render(convo, False)
+            if not after.startswith(before):
+                raise DatasetError("the chat template is not prefix-preserving; cannot mask turns exactly")
+            segments.append((after[len(before):], m["role"] == "assistant"))
+        return segments
+
+    def _example(self, prompt_ids: list[int], segments: list[tuple[str, bool]]) -> Example:
+        ids, mask = [], []
+        for text, trained in segments:
+            seg = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if trained:
+                if self.eos in seg:  # the turn ends at the end-of-turn token; the glue after it is not trained
+                    cut = seg.index(self.eos) + 1
+                    ids += seg[:cut]
+                    mask += [1] * cut
+                    ids += seg[cut:]
+                    mask += [0] * (len(seg) - cut)
+                    continue
+                if not self.prompts.chat:
+                    seg = seg + [self.eos]
+            ids += seg
+            mask += [int(trained)] * len(seg)
+        return Example(prompt_ids, ids, mask)
+
+
+def _single_user(head: list[dict]) -> bool:
+    return len(head) == 1 and head[0]["role"] == "user"
+
+
+def examples_batch(examples: list[Example], size: int, pad_id: int, rows_per_unit: int = 1):
+    """The examples as a learner batch of exactly ``size`` rows (the learner group's batch; DeepSpeed's geometry
+    is fixed). Rows past the examples repeat them with an all-zero loss mask: they add no token to the loss nor
+    to its token count, so the update equals the one on the examples alone, and every row stays a real sequence.
+    ``rows_per_unit=2``: the examples are (chosen, rejected) pairs, kept together."""
+    from learner.batch import build_batch
+
+    if not 1 <= len(examples) <= size or len(examples) % rows_per_unit or size % rows_per_unit:
+        raise ValueError(f"examples_batch: {len(examples)} examples do not fit {size} rows of {rows_per_unit}-row "
+                         "units")
+    rows = [examples[i % len(examples)] for i in range(size)]
+    batch = build_batch([e.prompt_ids for e in rows], [e.completion_ids for e in rows],
+                        [[0.0] * len(e.completion_ids) for e in rows], pad_id, [e.loss_mask for e in rows])
+    batch.response_mask[len(examples):] = 0.0
+    batch.rows_per_unit = rows_per_unit
+    return batch
+
+
+def sample_example(sample) -> Example:
+    """A generated sample as a trained example: its exact ids, its loss mask (all ones for a single turn)."""
+    mask = sample.loss_mask if sample.loss_mask is not None else [1] * len(sample.completion_ids)
+    return Example(sample.prompt_ids, sample.completion_ids, mask)

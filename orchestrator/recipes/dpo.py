@@ -1,0 +1,79 @@
+"""DPO (``algorithm.name: dpo``) on the learner group: the registered ``dpo`` loss over (chosen, rejected) row
+pairs, the frozen reference being the stage's starting policy (``model.path``).
+
+- Offline (``algorithm.pairs``): each step trains on ``sequences_per_step / 2`` pairs of the JSONL file (seeded
+  per-epoch shuffles: a resumed run sees the same pairs).
+- Online: each step generates the usual groups, scores them, and pairs every group's best and worst sample when
+  their rewards differ by at least ``algorithm.min_reward_gap`` (:func:`learner.algorithms.preference_pairs`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from learner.algorithms import preference_pairs
+from orchestrator.config import FleetConfig
+from orchestrator.metrics import PhaseTimer
+from orchestrator.recipes.data import Example, ExampleRenderer, draw, examples_batch, load_pairs, sample_example
+from orchestrator.recipes.sft import LazyPush
+from orchestrator.trainer import Trainer, learner_metrics
+from rewards.functions import is_correct
+
+log = logging.getLogger("fleetrl")
+
+
+class DPOTrainer(LazyPush, Trainer):
+    def __init__(self, cfg: FleetConfig, resume: str | None = None, console=None):
+        super().__init__(cfg, resume, console)
+        if cfg.sequences_per_step % 2 or (cfg.sequences_per_step // cfg.learner.num_ranks) % 2:
+            raise ValueError(f"algorithm.name=dpo trains row pairs: data.prompts_per_step * rollout.group_size "
+                             f"({cfg.sequences_per_step}) must give each of learner.num_ranks="
+                             f"{cfg.learner.num_ranks} ranks an even number of rows")
+        self.pairs: list[tuple[Example, Example]] = []
+        if cfg.algorithm.pairs:
+            renderer = ExampleRenderer(self.tokenizer, cfg.data.prompt_format, cfg.data.system_prompt)
+            self.pairs = [(renderer.completion(r["prompt"], r["chosen"]),
+                           renderer.completion(r["prompt"], r["rejected"])) for r in load_pairs(cfg.algorithm.pairs)]
+            log.info("dpo pairs %s: %d rows", cfg.algorithm.pairs, len(self.pairs))
+
+    def train_step(self, step: int) -> dict:
+        return self.offline_step(step) if self.pairs else self.online_step(step)
+
+    def offline_step(self, step: int) -> dict:
+        timer = PhaseTimer()
+        t0 = time.perf_counter()
+        idx = draw(len(self.pairs), step, self.cfg.sequences_per_step // 2, self.cfg.trainer.seed)
+        out = self._update([self.pairs[i] for i in idx], timer)
+        self.stale = True
+        return {**out, "throughput/pairs_per_s": len(idx) / (time.perf_counter() - t0), **timer.metrics()}
+
+    def online_step(self, step: int) -> dict:
+        timer = PhaseTimer()
+        scored, reward_errors, _ = self.collect(step, timer)
+        rewards = [x.reward for x in scored]
+        chosen = preference_pairs(rewards, [x.sample.prompt_uid for x in scored], self.cfg.algorithm.min_reward_gap)
+        correct = [is_correct(self.task.verifier_fn, x.sample.prompt_text, x.sample.completion_text, x.sample.metadata)
+                   for x in scored]
+        out = {"reward/mean": sum(rewards) / len(rewards), "reward/errors": reward_errors,
+               "train/accuracy": sum(correct) / len(correct), "rollout/samples": len(scored),
+               "tokens_generated": sum(len(x.sample.completion_ids) for x in scored)}
+        if chosen:
+            pairs = [(sample_example(scored[i].sample), sample_example(scored[j].sample)) for i, j in chosen]
+            out.update(self._update(pairs, timer))
+            with timer("sync"):
+                out.update(self.push_weights())
+        else:
+            log.warning("dpo step %d: no group had a reward gap >= algorithm.min_reward_gap=%s; no update", step,
+                        self.cfg.algorithm.min_reward_gap)
+            out["dpo/pairs"] = 0
+        out = {**out, **timer.metrics()}
+        out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
+        return out
+
+    def _update(self, pairs: list[tuple[Example, Example]], timer: PhaseTimer) -> dict:
+        rows = [e for pair in pairs for e in pair]
+        batch = examples_batch(rows, self.cfg.sequences_per_step, self.pad_id, rows_per_unit=2)
+        with timer("learn"):
+            out = learner_metrics(self.learn(batch))
+        return {**out, "dpo/pairs": len(pairs)}

@@ -1,0 +1,265 @@
+"""`fleetrl pipeline -c RECIPE [overrides]`: multi-stage training (DeepSeek-R1: cold-start SFT -> reasoning RL ->
+rejection sampling + SFT -> RL for all tasks) as one resumable run.
+
+A recipe is YAML::
+
+    base: default.yaml            # a config file (relative to the recipe) or a mapping of config sections
+    stages:
+      - name: cold_start
+        kind: sft                 # sft | rl | rft | distill | dpo
+        cold_start: 2000          # sft only: write this many verified rows of the task first (fleetrl data)
+        overrides: {trainer.total_steps: 60}
+
+Each stage is ``base`` + its ``overrides`` + the command line's overrides (applied to every stage, so
+``trainer.total_steps=2`` shrinks a whole recipe), runs in ``<run.dir>/<NN>-<name>/`` and starts from the previous
+stage's ``final/`` model (the first from ``model.path``). Every stage's config, data files and teacher are checked
+before the first stage starts. ``<run.dir>/summary.json`` records each stage (name, kind, status, held-out accuracy
+after it, seconds, model path, attempts, the checkpoint it resumed from); rerunning the same command skips finished
+stages and resumes an interrupted one from its newest complete checkpoint. Each stage runs as its own
+``fleetrl <command>`` process (joining ``run.ray_address`` / ``RAY_ADDRESS`` when set), so a stage's actors are gone
+when it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from orchestrator import checkpoint as ckpt
+from orchestrator.config import ConfigError, FleetConfig, _format_validation_error, apply_override, dump_config
+from rewards.datasets import DatasetError
+
+COMMANDS = {"sft": "sft", "rl": "train", "rft": "rft", "distill": "distill", "dpo": "train"}
+"""Stage kind -> the `fleetrl` command that runs it."""
+RECIPE_KEYS = {"base", "stages", "description"}
+STAGE_KEYS = {"name", "kind", "overrides", "cold_start"}
+
+
+@dataclass
+class Stage:
+    index: int
+    name: str
+    kind: str
+    cfg: FleetConfig
+    cold_start: int | None = None
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.cfg.run.dir)
+
+
+def _overrides(value, where: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, dict):
+        return [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+                for k, v in value.items()]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise ConfigError(f"{where}: overrides must be a mapping of dotted keys to values, or a list of 'key=value'")
+
+
+def _read_yaml(path: Path, what: str) -> dict:
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} {path}: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(tree).__name__}")
+    return tree
+
+
+def load_recipe(path: str | Path, cli_overrides: list[str]) -> list[Stage]:
+    """Every stage's validated config; any problem is a ConfigError naming the recipe, stage and key."""
+    path = Path(path)
+    recipe = _read_yaml(path, "recipe")
+    unknown = set(recipe) - RECIPE_KEYS
+    if unknown:
+        raise ConfigError(f"{path}: unknown recipe key(s) {sorted(unknown)}; allowed: {sorted(RECIPE_KEYS)}")
+    base = recipe.get("base", {})
+    base_tree = _read_yaml(path.parent / base, "base config") if isinstance(base, str) else dict(base)
+    stages = recipe.get("stages")
+    if not isinstance(stages, list) or not stages:
+        raise ConfigError(f"{path}: 'stages' must be a non-empty list of {{name, kind, overrides}}")
+    root = _stage_tree(base_tree, cli_overrides, f"{path} (base + command line)")
+    run_dir, names, out = Path(root["run"]["dir"]), set(), []
+    for i, raw in enumerate(stages):
+        where = f"{path}: stage {i + 1}"
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}: must be a mapping {{name, kind, overrides}}")
+        bad = set(raw) - STAGE_KEYS
+        if bad:
+            raise ConfigError(f"{where}: unknown key(s) {sorted(bad)}; allowed: {sorted(STAGE_KEYS)}")
+        name, kind = raw.get("name"), raw.get("kind")
+        if not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum() or name in names:
+            raise ConfigError(f"{where}: 'name' must be a unique word (letters, digits, _ or -), got {name!r}")
+        names.add(name)
+        if kind not in COMMANDS:
+            raise ConfigError(f"{where} ({name}): unknown kind {kind!r}; allowed: {sorted(COMMANDS)}")
+        where = f"{where} ({name})"
+        ovs = _overrides(raw.get("overrides"), where)
+        if kind == "dpo":  # the algorithm section becomes DPO's (other algorithms' keys do not carry over)
+            if any(o.startswith("algorithm.name=") and o != "algorithm.name=dpo" for o in ovs):
+                raise ConfigError(f"{where}: a dpo stage trains algorithm.name=dpo")
+            ovs = ["algorithm={}", "algorithm.name=dpo", *ovs]
+        tree = _stage_tree(base_tree, [*ovs, *cli_overrides], where)
+        tree.setdefault("run", {})["dir"] = str(run_dir / f"{i + 1:02d}-{name}")
+        if out and not any(o.startswith("model.path=") for o in ovs):
+            tree.setdefault("model", {})["path"] = str(out[-1].dir / "final")
+        cold = raw.get("cold_start")
+        if cold is not None and (kind != "sft" or not isinstance(cold, int) or cold < 1):
+            raise ConfigError(f"{where}: cold_start (rows to write) is for sft stages, a positive integer")
+        cfg = FleetConfig.model_validate(tree)
+        out.append(Stage(i + 1, name, kind, cfg, cold))
+    return out
+
+
+def _stage_tree(base: dict, overrides: list[str], where: str) -> dict:
+    tree = json.loads(json.dumps(base))
+    for ov in overrides:
+        try:
+            apply_override(tree, ov)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+    try:
+        return FleetConfig.model_validate(tree).model_dump(mode="json")
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, where)) from None
+
+
+def check_inputs(stages: list[Stage]) -> None:
+    """Data files, pairs files and teachers of every stage, before anything starts."""
+    from orchestrator.recipes.data import load_pairs, load_sft_rows
+    from orchestrator.recipes.distill import check_teacher
+
+    for st in stages:
+        where = f"stage {st.index} ({st.name})"
+        try:
+            if st.kind == "sft" and st.cold_start is None:
+                if not st.cfg.sft.data:
+                    raise ConfigError("sft.data: give a JSONL file, or cold_start: N to write one")
+                load_sft_rows(st.cfg.sft.data)
+            if st.kind == "dpo" and st.cfg.algorithm.pairs:
+                load_pairs(st.cfg.algorithm.pairs)
+            if st.kind == "distill":
+                check_teacher(st.cfg)
+        except (ConfigError, DatasetError) as e:
+            raise ConfigError(f"{where}: {e}") from None
+    first = stages[0].cfg.model.path
+    from orchestrator.config import EMBEDDED_MODELS
+
+    if first not in EMBEDDED_MODELS and not (Path(first) / "config.json").exists():
+        raise ConfigError(f"stage 1 ({stages[0].name}): model.path {first!r} is not a model directory")
+
+
+class Summary:
+    """``<run.dir>/summary.json``: one entry per stage, rewritten atomically after every change."""
+
+    def __init__(self, path: Path, stages: list[Stage]):
+        self.path = path
+        old = {s["name"]: s for s in json.loads(path.read_text())["stages"]} if path.exists() else {}
+        self.rows = [old.get(st.name) or {"name": st.name, "kind": st.kind, "status": "pending", "accuracy": None,
+                                          "seconds": 0.0, "model": None, "attempts": 0, "resumed_from": None}
+                     for st in stages]
+        self.write()
+
+    def write(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"stages": self.rows}, indent=1))
+        tmp.replace(self.path)
+
+    def table(self) -> str:
+        lines = [f"{'stage':<20} {'kind':<8} {'status':<9} {'accuracy':>8} {'minutes':>8}  model"]
+        for r in self.rows:
+            acc = "-" if r["accuracy"] is None else f"{r['accuracy']:.3f}"
+            lines.append(f"{r['name']:<20} {r['kind']:<8} {r['status']:<9} {acc:>8} {r['seconds'] / 60:>8.1f}  "
+                         f"{r['model'] or '-'}")
+        return "\n".join(lines)
+
+
+def _prepare(st: Stage) -> list[str]:
+    """Make the stage dir ready; returns the extra command-line arguments (``--resume auto`` after a crash)."""
+    found = ckpt.complete_checkpoints(st.dir) if st.dir.exists() else []
+    if found:
+        return ["--resume", str(found[-1])]
+    keep = {"distill_data.jsonl", "distill.json", "cold_start.jsonl"}
+    if st.dir.exists():  # a start that wrote no checkpoint: begin the stage again
+        for p in st.dir.iterdir():
+            if p.name not in keep:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return []
+
+
+def run_stage(st: Stage, summary: Summary, row: dict) -> None:
+    from orchestrator.recipes.cold_start import write_cold_start
+
+    extra = _prepare(st)
+    st.dir.mkdir(parents=True, exist_ok=True)
+    cfg = st.cfg
+    if st.cold_start:
+        data = st.dir / "cold_start.jsonl"
+        if not data.exists():
+            write_cold_start(cfg.data, st.cold_start, data, cfg.data.seed)
+        tree = cfg.model_dump(mode="json")
+        tree["sft"]["data"] = str(data)
+        cfg = FleetConfig.model_validate(tree)
+    config = st.dir / "stage.yaml"
+    config.write_text(dump_config(cfg))
+    resumed = extra[1] if extra else None
+    row.update(status="running", attempts=row["attempts"] + 1, resumed_from=resumed)
+    summary.write()
+    print(f"pipeline: stage {st.index} {st.name} ({st.kind})" + (f", resuming from {resumed}" if resumed else ""),
+          flush=True)
+    t0 = time.time()
+    if st.kind == "rft":  # a recipe's rounds are its trainer.total_steps (so one override shrinks every stage)
+        extra += ["--rounds", str(cfg.trainer.total_steps)]
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", COMMANDS[st.kind], "-c", str(config), *extra],
+                          env=dict(os.environ))
+    row["seconds"] = round(row["seconds"] + time.time() - t0, 1)
+    if proc.returncode != 0:
+        row["status"] = "failed"
+        summary.write()
+        raise StageFailed(f"stage {st.index} ({st.name}) failed with exit code {proc.returncode}; its log is in "
+                          f"{st.dir / 'logs'}; rerun the same command to resume it")
+    result = json.loads((st.dir / "summary.json").read_text())
+    row.update(status="finished", accuracy=result.get("eval_accuracy_last"), model=str(st.dir / "final"))
+    summary.write()
+
+
+class StageFailed(RuntimeError):
+    pass
+
+
+def run_pipeline(recipe: str, overrides: list[str]) -> int:
+    try:
+        stages = load_recipe(recipe, overrides)
+        check_inputs(stages)
+    except ConfigError as e:
+        print(f"fleetrl: {e}", file=sys.stderr)
+        return 2
+    run_dir = stages[0].dir.parent
+    run_dir.mkdir(parents=True, exist_ok=True)
+    summary = Summary(run_dir / "summary.json", stages)
+    try:
+        for st, row in zip(stages, summary.rows):
+            if row["status"] == "finished" and (st.dir / "final" / "config.json").exists():
+                print(f"pipeline: stage {st.index} {st.name} finished already (accuracy {row['accuracy']})")
+                continue
+            run_stage(st, summary, row)
+    except StageFailed as e:
+        print(summary.table())
+        print(f"fleetrl: {e}", file=sys.stderr)
+        return 1
+    print(summary.table())
+    return 0

@@ -1,0 +1,89 @@
+"""`fleetrl sft`: supervised fine-tuning on the same DeepSpeed learner group as RL (same actors, ZeRO stages,
+packing, token-budget micro-batches). The learner trains the registered ``sft`` loss (the token-mean NLL of the
+assistant tokens); the Trainer's loop gives evals through the engines with the task's verifier, checkpoints,
+resume, metrics and ``final/`` in the run-dir layout of RL.
+
+Weights reach the engines only when they are about to generate (an eval): SFT steps themselves need no engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from orchestrator.config import ConfigError, FleetConfig
+from orchestrator.metrics import PhaseTimer
+from orchestrator.recipes.data import Example, ExampleRenderer, draw, examples_batch, load_sft_rows
+from orchestrator.trainer import Trainer, learner_metrics
+from rewards.datasets import DatasetError
+
+log = logging.getLogger("fleetrl")
+
+
+def objective_config(cfg: FleetConfig, algorithm: dict) -> FleetConfig:
+    """``cfg`` with its algorithm section replaced (SFT, DPO: no advantage estimator, no critic) and the learner
+    settings a supervised batch needs (one epoch, one minibatch, no dynamic sampling)."""
+    tree = cfg.model_dump()
+    tree["algorithm"] = algorithm
+    tree["rollout"]["dynamic_sampling"] = False
+    tree["learner"].update(epochs=1, num_minibatches=1)
+    return FleetConfig.model_validate(tree)
+
+
+def sft_config(cfg: FleetConfig) -> FleetConfig:
+    if not cfg.sft.data:
+        raise ConfigError("sft.data: give a JSONL file of prompt/response or messages rows (`fleetrl data "
+                          "cold-start` writes one for the built-in tasks)")
+    return objective_config(cfg, {"name": "sft"})
+
+
+def render_rows(path: str, renderer: ExampleRenderer) -> list[Example]:
+    """Every SFT row of ``path`` rendered; a row that cannot be is an error naming its line."""
+    out = []
+    for i, row in enumerate(load_sft_rows(path)):
+        try:
+            out.append(renderer.sft(row["messages"]))
+        except DatasetError as e:
+            raise DatasetError(f"{path}: row {i + 1}: {e}") from e
+    return out
+
+
+class LazyPush:
+    """Mixin: a supervised step marks the engines stale; they get the weights just before they generate."""
+
+    stale = False
+
+    def evaluate(self) -> dict:
+        if self.stale:
+            self.push_weights()
+            self.stale = False
+        return super().evaluate()
+
+
+class SFTTrainer(LazyPush, Trainer):
+    """The Trainer's loop with a supervised step over ``sft.data``."""
+
+    def __init__(self, cfg: FleetConfig, resume: str | None = None, console=None):
+        super().__init__(cfg, resume, console)
+        renderer = ExampleRenderer(self.tokenizer, cfg.data.prompt_format, cfg.data.system_prompt)
+        self.examples = render_rows(cfg.sft.data, renderer)
+        log.info("sft data %s: %d rows", cfg.sft.data, len(self.examples))
+
+    def train_step(self, step: int) -> dict:
+        timer = PhaseTimer()
+        t0 = time.perf_counter()
+        rows = [self.examples[i] for i in draw(len(self.examples), step, self.cfg.sequences_per_step,
+                                               self.cfg.trainer.seed)]
+        batch = examples_batch(rows, self.cfg.sequences_per_step, self.pad_id)
+        with timer("learn"):
+            out = learner_metrics(self.learn(batch))
+        self.stale = True
+        tokens = int(batch.response_mask.sum())
+        return {**out, "sft/tokens": tokens, "sft/epoch": (step + 1) * len(rows) / len(self.examples),
+                "throughput/tokens_per_s": tokens / (time.perf_counter() - t0), **timer.metrics()}
+
+
+def run_sft(cfg: FleetConfig, resume: str | None = None) -> list[dict]:
+    from orchestrator.trainer import run_training
+
+    return run_training(sft_config(cfg), resume=resume, trainer_cls=SFTTrainer)

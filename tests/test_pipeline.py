@@ -1,0 +1,104 @@
+"""Recipes end to end with real actors: offline DPO on a pairs file, and a 3-stage pipeline (sft -> rl -> rft) that
+is killed during stage 2 and rerun: stage 1 is not repeated and stage 2 resumes from its checkpoint."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from orchestrator import checkpoint as ckpt
+from rewards.tasks import ArithmeticTask
+from tests.conftest import shared_ray_env
+from tests.test_e2e import ROOT
+
+SMALL = ["data.prompts_per_step=4", "rollout.group_size=4", "data.eval_size=16", "rollout.num_workers=1",
+         "learner.num_ranks=1", "learner.zero_stage=0"]
+
+
+def _env() -> dict:
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1")
+    env.pop("RAY_ADDRESS", None)
+    env.update(shared_ray_env())
+    return env
+
+
+def _rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.e2e
+def test_offline_dpo_on_a_pairs_file_raises_the_preference_accuracy(tmp_path):
+    """Pairs of the arithmetic task: the right sum is chosen, a sum off by one or ten rejected. Six DPO steps
+    through `fleetrl train algorithm.name=dpo`: the implicit-reward preference accuracy and margin rise, and the
+    policy itself (not only relative to the reference) comes to prefer the chosen answers more."""
+    task = ArithmeticTask()
+    prompts = task.train_batch(0, 64)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": p.text, "chosen": p.metadata["answer"],
+                                         "rejected": str(int(p.metadata["answer"]) + (1 if i % 2 else 10))}) + "\n"
+                             for i, p in enumerate(prompts)))
+    run_dir = tmp_path / "dpo"
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "train", "algorithm.name=dpo",
+                           f"algorithm.pairs={pairs}", "algorithm.beta=0.5", "learner.lr=3e-4",
+                           "trainer.total_steps=6", "trainer.eval_every=6", f"run.dir={run_dir}", *SMALL],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    rows = [r for r in _rows(run_dir) if "dpo/loss" in r]
+    assert len(rows) == 6 and all(r["dpo/pairs"] == 8 for r in rows)
+    first, last = rows[0], rows[-1]
+    assert first["dpo/preference_accuracy"] == 0.0 and first["dpo/reward_margin"] == pytest.approx(0.0, abs=1e-6)
+    assert last["dpo/preference_accuracy"] >= 0.75 and last["dpo/reward_margin"] > 0.1
+    assert last["dpo/loss"] < first["dpo/loss"]
+    gap = [r["dpo/chosen_logp"] - r["dpo/rejected_logp"] for r in (first, last)]
+    assert gap[1] > gap[0]
+    assert (run_dir / "final" / "config.json").exists()
+
+
+RECIPE = """base:
+  run: {dir: %s}
+stages:
+  - {name: warm, kind: sft, cold_start: 64, overrides: {trainer.total_steps: 2, learner.lr: 1.0e-3}}
+  - {name: rl, kind: rl, overrides: {trainer.total_steps: 6, trainer.save_every: 1}}
+  - {name: rft, kind: rft, overrides: {trainer.total_steps: 1}}
+"""
+
+
+@pytest.mark.e2e
+def test_pipeline_killed_in_stage_two_resumes_without_repeating_stage_one(tmp_path):
+    run_dir = tmp_path / "run"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE % run_dir)
+    cmd = [sys.executable, "-m", "orchestrator", "pipeline", "-c", str(recipe), "trainer.eval_every=0",
+           "data.eval_size=16", "data.prompts_per_step=4", "rollout.group_size=4", "rollout.num_workers=1",
+           "learner.num_ranks=1", "learner.zero_stage=0"]
+    log = (tmp_path / "first.log").open("w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    stage2 = run_dir / "02-rl"
+    deadline = time.time() + 480
+    while time.time() < deadline and proc.poll() is None and len(ckpt.complete_checkpoints(stage2)) < 2:
+        time.sleep(0.5)
+    assert proc.poll() is None, (tmp_path / "first.log").read_text()[-4000:]
+    os.killpg(proc.pid, signal.SIGKILL)  # the pipeline and the stage-2 process, mid-stage
+    proc.wait()
+    summary = json.loads((run_dir / "summary.json").read_text())["stages"]
+    assert [s["status"] for s in summary] == ["finished", "running", "pending"]
+    killed_at = ckpt.complete_checkpoints(stage2)[-1]
+
+    again = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-6000:]
+    assert "stage 1 warm finished already" in again.stdout and "resuming from" in again.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())["stages"]
+    assert [s["status"] for s in summary] == ["finished"] * 3
+    assert [s["attempts"] for s in summary] == [1, 2, 1]
+    assert summary[1]["resumed_from"] is not None and int(summary[1]["resumed_from"].rsplit("_", 1)[1]) >= \
+        int(killed_at.name.rsplit("_", 1)[1])
+    assert summary[1]["model"] == str(stage2 / "final") and (stage2 / "final" / "config.json").exists()
+    steps = [r["step"] for r in _rows(stage2)]
+    assert steps == list(range(7))  # every step once: the resumed run continued the stage's metrics
+    stage3 = (run_dir / "03-rft" / "stage.yaml").read_text()
+    assert f"path: {stage2 / 'final'}" in stage3
+    assert all(s["model"] and s["seconds"] > 0 for s in summary)
