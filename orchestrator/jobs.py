@@ -61,16 +61,25 @@ def job_address(address: str | None) -> str:
 def submit(config: str | None, overrides: list[str], address: str | None, python: str = "python",
            env: dict[str, str] | None = None) -> str:
     """Validate the config here (nothing is submitted when it is bad), then submit the driver as a Ray job with
-    the current directory as its working dir. Returns the job id."""
-    cfg = load_config(config, overrides)
+    the current directory as its working dir. A recipe (a YAML with ``stages``) runs as `fleetrl pipeline`, every
+    stage of it checked first. Returns the job id."""
+    command = "pipeline" if config is not None and is_recipe(config) else "train"
+    if command == "pipeline":
+        from orchestrator.recipes.pipeline import check_inputs, load_recipe
+
+        stages = load_recipe(config, overrides)
+        check_inputs(stages)
+        cfg = stages[0].cfg
+    else:
+        cfg = load_config(config, overrides)
     if config is not None:
         rel = Path(config).resolve()
         if not rel.is_relative_to(Path.cwd()):
             raise ConfigError(f"config file {config} must be inside the working directory {Path.cwd()} (it is "
                               "uploaded with it); copy it there or pass its settings as overrides")
         config = str(rel.relative_to(Path.cwd()))
-    run = Path(cfg.run.dir).name
-    args = ["-m", "orchestrator", "train", *(["-c", config] if config else []), *overrides]
+    run = Path(cfg.run.dir).name if command == "train" else Path(cfg.run.dir).parent.name
+    args = ["-m", "orchestrator", command, *(["-c", config] if config else []), *overrides]
     entrypoint = " ".join(shlex.quote(a) for a in [python, *args])
     return job_client(address).submit_job(
         entrypoint=entrypoint, submission_id=f"fleetrl-{run}-{time.strftime('%Y%m%d-%H%M%S')}",
@@ -78,6 +87,17 @@ def submit(config: str | None, overrides: list[str], address: str | None, python
                      "env_vars": {"TOKENIZERS_PARALLELISM": "false", **(env or {})}},
         metadata={"fleetrl_run": run, "fleetrl_config": config or ""},
     )
+
+
+def is_recipe(path: str) -> bool:
+    """Whether a YAML file is a multi-stage recipe (has ``stages``) rather than a run config."""
+    import yaml
+
+    try:
+        tree = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False  # load_config reports it
+    return isinstance(tree, dict) and "stages" in tree
 
 
 def latest_job(client) -> str:

@@ -94,8 +94,12 @@ class MetricsLogger:
 
 def progress_line(m: dict) -> str:
     ev = f" eval {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
-    if "reward/mean" not in m:
-        return f"step {m['step']:>4} v{m['policy_version']}{ev} (eval only)"
+    if "reward/mean" not in m:  # a supervised step (SFT, offline DPO) or the final eval
+        parts = [f"{k} {m[k]:.4f}" for k in ("sft/nll", "dpo/loss", "dpo/preference_accuracy") if k in m]
+        if not parts:
+            return f"step {m['step']:>4} v{m['policy_version']}{ev} (eval only)"
+        return (f"step {m['step']:>4}{ev} {' '.join(parts)} | learn {m.get('time/learn_s', 0):.2f}s"
+                f" step_time {m.get('time/step_s', 0):.2f}s")
     kl = m.get("kl", float("nan"))  # only when a reference model is kept (a KL term, or learner.log_kl)
     sync = m.get("weight_sync/logprob_max_diff", float("nan"))
     return (f"step {m['step']:>4} v{m['policy_version']} reward {m.get('reward/mean', float('nan')):.3f}"

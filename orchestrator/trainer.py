@@ -194,7 +194,8 @@ class Trainer:
         self.learner.save_hf(str(final))
         self.metrics.close()
         evals = [m["eval/accuracy"] for m in self.metrics.history if "eval/accuracy" in m]
-        summary = {"steps": self.version, "train_seconds": round(train_seconds, 1),
+        steps = self.metrics.history[-1]["step"] if self.metrics.history else 0  # updates (SFT pushes lazily)
+        summary = {"steps": steps, "train_seconds": round(train_seconds, 1),
                    "algorithm": self.cfg.algorithm.name, "eval_accuracy_first": evals[0] if evals else None,
                    "eval_accuracy_last": evals[-1] if evals else None, "peak_rss_mb": self.peak_rss()}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

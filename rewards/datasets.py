@@ -33,7 +33,7 @@ def read_rows(path: Path, prompt_field: str, answer_field: str, skip_invalid: bo
     if path.suffix == ".parquet":
         records, decode = _parquet_records(path, (prompt_field, answer_field)), lambda row: row
     else:
-        records, decode = _jsonl_records(path), _json_object
+        records, decode = _jsonl_records(path), json_object
     rows, counts = [], {"invalid": 0, "too_long": 0}
     for where, record in records:
         try:
@@ -79,7 +79,8 @@ def _parquet_records(path: Path, fields: tuple[str, str]) -> Iterator[tuple[str,
             i += 1
 
 
-def _json_object(line: str) -> dict:
+def json_object(line: str) -> dict:
+    """One JSONL line as a dict; DatasetError saying what it is otherwise."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:

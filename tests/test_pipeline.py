@@ -104,3 +104,35 @@ def test_pipeline_killed_in_stage_two_resumes_without_repeating_stage_one(tmp_pa
     stage3 = (run_dir / "03-rft" / "stage.yaml").read_text()
     assert f"path: {stage2 / 'final'}" in stage3
     assert all(s["model"] and s["seconds"] > 0 for s in summary)
+
+
+@pytest.mark.e2e
+def test_distill_keeps_only_the_teachers_verified_answers_and_fine_tunes_the_student(tmp_path):
+    """Teacher: the embedded base model (about 20% greedy accuracy, more with G samples); student: the same base.
+    The written data holds only correct answers of training prompts; the report has teacher accuracy, kept
+    fraction and the student's held-out accuracy before and after."""
+    from rewards.functions import math_reward
+
+    run_dir = tmp_path / "distill"
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "distill",
+                           "distill.teacher=.fleetrl/models/arith-base", "distill.prompts=32",
+                           "trainer.total_steps=2", "trainer.eval_every=2",
+                           f"run.dir={run_dir}", *SMALL],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    report = json.loads((run_dir / "distill.json").read_text())
+    assert report["prompts"] == 32 and report["samples"] == 32 * 4
+    assert 0 < report["kept"] <= report["samples"] and 0 < report["teacher_accuracy"] <= 1
+    assert report["kept_fraction"] == report["kept"] / report["samples"]
+    assert report["student_accuracy_before"] is not None and report["student_accuracy_after"] is not None
+    rows = [json.loads(x) for x in (run_dir / "distill_data.jsonl").read_text().splitlines()]
+    assert len(rows) == report["kept"]
+    for r in rows:
+        a, b = r["prompt"].rstrip("=").split("+")
+        assert math_reward(r["prompt"], r["response"], {"answer": str(int(a) + int(b))}) == 1.0
+    assert (run_dir / "final" / "config.json").exists()
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "distill", "distill.teacher=/nonexistent",
+                           f"run.dir={tmp_path / 'bad'}"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "distill.teacher: '/nonexistent' is not a model directory" in proc.stderr
+    assert not (tmp_path / "bad").exists()

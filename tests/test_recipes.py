@@ -251,3 +251,12 @@ def test_recipe_stages_chain_models_and_command_line_overrides_apply_to_every_st
     assert stages[2].cfg.algorithm.beta == 0.2
     with pytest.raises(ConfigError, match="unknown recipe key"):
         load_recipe(_recipe(tmp_path, "stagez: []\n"), [])
+
+
+def test_submit_checks_a_recipe_like_the_pipeline_before_contacting_the_cluster(tmp_path):
+    from orchestrator.jobs import is_recipe, submit
+
+    bad = _recipe(tmp_path, BASE % (tmp_path / "run") + "stages: [{name: a, kind: sftt}]\n")
+    assert is_recipe(str(bad)) and not is_recipe(os.path.join(ROOT, "configs", "default.yaml"))
+    with pytest.raises(ConfigError, match=r"stage 1 \(a\): unknown kind 'sftt'"):
+        submit(str(bad), [], address="http://127.0.0.1:9")  # nothing listens there: it must fail before

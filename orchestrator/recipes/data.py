@@ -12,12 +12,11 @@ user message, and the template's glue around turns, has loss mask 0.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from rewards.datasets import DatasetError
+from rewards.datasets import DatasetError, json_object
 from workers.prompts import PromptRenderer
 
 ROLES = ("system", "user", "assistant")
@@ -44,12 +43,9 @@ def read_jsonl(path: str | Path, what: str) -> list[tuple[int, dict]]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DatasetError(f"{path}:{n}: not valid JSON ({e.msg})") from e
-        if not isinstance(row, dict):
-            raise DatasetError(f"{path}:{n}: a row must be a JSON object, got {type(row).__name__}")
-        rows.append((n, row))
+            rows.append((n, json_object(line)))
+        except DatasetError as e:
+            raise DatasetError(f"{path}:{n}: {e}") from None
     if not rows:
         raise DatasetError(f"{what} {path} has no rows")
     return rows
