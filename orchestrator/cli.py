@@ -207,10 +207,11 @@ def _train(cfg: FleetConfig, resume: str | None) -> int:
     """`train`: a failure inside an actor is reported with the actor's name and its log file."""
     from orchestrator.console import describe_failure
     from orchestrator.pools import LearnerDied
+    from orchestrator.recipes import trainer_for
     from orchestrator.trainer import BadTraining, CheckpointFailed, run_training
 
     try:
-        run_training(cfg, resume=resume)
+        run_training(cfg, resume=resume, trainer_cls=trainer_for(cfg))
     except (LearnerDied, BadTraining, CheckpointFailed) as e:
         print(f"fleetrl: {e}", file=sys.stderr)
         return 1

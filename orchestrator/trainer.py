@@ -515,25 +515,13 @@ def learner_metrics(m: dict) -> dict:
 
 
 def run_training(cfg: FleetConfig, resume: str | None = None, trainer_cls: type | None = None) -> list[dict]:
-    """Join or start Ray, then run the loop. The driver's own log goes to ``<run.dir>/logs/driver.log``."""
+    """Join or start Ray, then run the loop (``trainer_cls``: a recipe's loop, :func:`orchestrator.recipes.
+    trainer_for`). The driver's own log goes to ``<run.dir>/logs/driver.log``."""
     console = Console(verbose=cfg.run.verbose)
     console.setup_logging(Path(cfg.run.dir))
-    trainer = (trainer_cls or trainer_for(cfg))(cfg, resume, console)  # checks --resume and data before any actor
+    trainer = (trainer_cls or Trainer)(cfg, resume, console)  # checks --resume and data before any actor
     trainer.dashboard = init_ray(cfg)
     return trainer.run()
-
-
-def trainer_for(cfg: FleetConfig) -> type:
-    """The loop for the configured objective: policy gradients (this module), DPO or SFT (``orchestrator.recipes``)."""
-    if cfg.algorithm.objective == "dpo":
-        from orchestrator.recipes.dpo import DPOTrainer
-
-        return DPOTrainer
-    if cfg.algorithm.objective == "sft":
-        from orchestrator.recipes.sft import SFTTrainer
-
-        return SFTTrainer
-    return Trainer
 
 
 def init_ray(cfg: FleetConfig) -> str | None:

@@ -65,7 +65,8 @@ class RFTTrainer(Trainer):
         out = {"rft/kept_fraction": len(kept) / len(scored), "rft/kept": len(kept),
                "rft/prompts_with_kept": len({x.sample.prompt_uid for x in kept}),
                "train/accuracy": sum(correct) / len(correct), "reward/errors": reward_errors,
-               "reward/mean": sum(x.reward for x in scored) / len(scored), "rollout/samples": len(scored)}
+               "reward/mean": sum(x.reward for x in scored) / len(scored), "rollout/samples": len(scored),
+               "tokens_generated": sum(len(x.sample.completion_ids) for x in scored)}
         if kept:
             batch = examples_batch([sample_example(x.sample) for x in kept], len(scored), self.pad_id)
             with timer("learn"):
@@ -77,7 +78,9 @@ class RFTTrainer(Trainer):
                         self.cfg.rft.threshold)
         log.info("rft round %d: kept %d/%d samples (%.1f%%), train accuracy %.3f", step, len(kept), len(scored),
                  100 * out["rft/kept_fraction"], out["train/accuracy"])
-        return {**out, **timer.metrics()}
+        out.update(timer.metrics())
+        out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
+        return out
 
     def finish(self, train_seconds: float) -> None:
         super().finish(train_seconds)

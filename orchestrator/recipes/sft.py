@@ -31,10 +31,14 @@ def objective_config(cfg: FleetConfig, algorithm: dict) -> FleetConfig:
 
 
 def sft_config(cfg: FleetConfig) -> FleetConfig:
+    check_data(cfg)
+    return objective_config(cfg, {"name": "sft"})
+
+
+def check_data(cfg: FleetConfig) -> None:
     if not cfg.sft.data:
         raise ConfigError("sft.data: give a JSONL file of prompt/response or messages rows (`fleetrl data "
                           "cold-start` writes one for the built-in tasks)")
-    return objective_config(cfg, {"name": "sft"})
 
 
 def render_rows(path: str, renderer: ExampleRenderer) -> list[Example]:
@@ -64,6 +68,7 @@ class SFTTrainer(LazyPush, Trainer):
     """The Trainer's loop with a supervised step over ``sft.data``."""
 
     def __init__(self, cfg: FleetConfig, resume: str | None = None, console=None):
+        check_data(cfg)
         super().__init__(cfg, resume, console)
         renderer = ExampleRenderer(self.tokenizer, cfg.data.prompt_format, cfg.data.system_prompt)
         self.examples = render_rows(cfg.sft.data, renderer)
