@@ -260,3 +260,12 @@ def test_submit_checks_a_recipe_like_the_pipeline_before_contacting_the_cluster(
     assert is_recipe(str(bad)) and not is_recipe(os.path.join(ROOT, "configs", "default.yaml"))
     with pytest.raises(ConfigError, match=r"stage 1 \(a\): unknown kind 'sftt'"):
         submit(str(bad), [], address="http://127.0.0.1:9")  # nothing listens there: it must fail before
+
+
+@pytest.mark.parametrize("recipe", ["r1.yaml", "r1_zero.yaml", "smollm2_r1.yaml", "smollm2_r1_zero.yaml"])
+def test_shipped_recipes_validate_and_chain_their_stages(recipe):
+    stages = load_recipe(os.path.join(ROOT, "configs", recipe), [])
+    assert stages[0].cfg.model.path.startswith(".fleetrl/models/")
+    for before, st in zip(stages, stages[1:]):
+        assert st.cfg.model.path == str(before.dir / "final")
+    assert {s.cfg.reward.functions[1].name for s in stages if s.kind == "rl"} == {"format"}
