@@ -60,16 +60,47 @@ def shared_ray_env() -> dict:
     """Environment variables that make a `fleetrl` subprocess join the session's Ray head (started here on first
     use, from the repo root, so relative model paths and `tests.*` reward plugins resolve in its workers)."""
     if not _HEAD:
-        gcs, *p = free_ports(5)
         temp = f"/tmp/fleetrl-tests-{os.getpid()}"  # short: Ray's socket paths have a length limit
         env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1",
                    TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT), PATH=f"{BIN}:{os.environ['PATH']}")
         env.pop("RAY_ADDRESS", None)
-        subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
-                        "--num-cpus", "8", "--include-dashboard", "false", "--temp-dir", temp, *node_ports_args(*p)],
-                       cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=180)
+        for _ in range(3):
+            gcs, *p = free_ports(5)
+            subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1", "--port",
+                            str(gcs), "--num-cpus", "8", "--include-dashboard", "false", "--temp-dir", temp,
+                            *node_ports_args(*p)], cwd=ROOT, env=env, check=True, capture_output=True, text=True,
+                           timeout=180)
+            if raylet_stays_up(temp):
+                break
+            # a port picked free was taken before an agent bound it (the raylet exits with its agents): again
+            stop_ray_processes(gcs, temp)
+        else:
+            raise RuntimeError(f"the test Ray head's raylet exited three times; see {temp}/session_latest/logs")
         _HEAD.update(address=f"127.0.0.1:{gcs}", port=gcs, temp=temp)
     return {"RAY_ADDRESS": _HEAD["address"], "RAY_AUTH_MODE": "disabled"}
+
+
+def raylet_stays_up(temp_dir: str, seconds: float = 8.0) -> bool:
+    """Whether this instance's raylet is still running ``seconds`` after `ray start` returned (it exits, taking
+    the node with it, when an agent cannot bind its port)."""
+    import time
+
+    import psutil
+
+    def alive() -> bool:
+        for p in psutil.process_iter(["cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                cmd = p.info["cmdline"] or []
+                if cmd and cmd[0].endswith("raylet") and any(temp_dir in part for part in cmd):
+                    return True
+        return False
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not alive():
+            return False
+        time.sleep(0.5)
+    return True
 
 
 def pytest_sessionfinish(session, exitstatus):
