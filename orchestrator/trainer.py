@@ -399,11 +399,15 @@ class Trainer:
         """Greedy held-out accuracy through the rollout engines."""
         t0 = time.perf_counter()
         samples = self.rollouts.generate(self.eval_prompts, 1, temperature=0.0, seed=None)
-        correct = [is_correct(self.task.verifier_fn, s.prompt_text, s.completion_text, s.metadata) for s in samples]
+        correct = self.correct(samples)
         out = {"eval/accuracy": sum(correct) / len(correct), "time/eval_s": time.perf_counter() - t0}
         if self.cfg.env.name:
             out["eval/tool_call_rate"] = sum(s.episode.tool_calls > 0 for s in samples) / len(samples)
         return out
+
+    def correct(self, samples: list) -> list[bool]:
+        """Whether each sample is correct by the task's verifier (accuracy metrics)."""
+        return [is_correct(self.task.verifier_fn, s.prompt_text, s.completion_text, s.metadata) for s in samples]
 
     def _to_batch(self, scored: list[ScoredSample]) -> TrainBatch:
         return samples_to_batch([x.sample for x in scored], self.pad_id, self.cfg.algorithm.mask_truncated)
@@ -411,8 +415,7 @@ class Trainer:
     def _rollout_metrics(self, scored: list[ScoredSample], batch: TrainBatch, reward_errors: int,
                          train_metrics: dict, staleness: int) -> dict:
         rewards = torch.tensor([s.reward for s in scored])
-        correct = [is_correct(self.task.verifier_fn, x.sample.prompt_text, x.sample.completion_text, x.sample.metadata)
-                   for x in scored]
+        correct = self.correct([x.sample for x in scored])
         mask = batch.response_mask.bool()
         if "actor/rollout_logprob_gap_max" in train_metrics:  # measured in the update's first pass
             diff = torch.tensor([train_metrics["actor/rollout_logprob_gap_max"]])

@@ -106,13 +106,15 @@ def load_pairs(path: str | Path) -> list[dict]:
 def draw(n_rows: int, step: int, k: int, seed: int) -> list[int]:
     """Row indices of ``step``'s ``k`` examples: consecutive slices of per-epoch seeded shuffles, a pure function
     of (seed, step), so a resumed run sees what the uninterrupted one would."""
-    out = []
-    for g in range(step * k, (step + 1) * k):
-        epoch, i = divmod(g, n_rows)
-        order = list(range(n_rows))
-        random.Random(f"{seed}:epoch{epoch}").shuffle(order)
-        out.append(order[i])
-    return out
+    orders: dict[int, list[int]] = {}  # each epoch the step touches, shuffled once
+
+    def order(epoch: int) -> list[int]:
+        if epoch not in orders:
+            orders[epoch] = list(range(n_rows))
+            random.Random(f"{seed}:epoch{epoch}").shuffle(orders[epoch])
+        return orders[epoch]
+
+    return [order(g // n_rows)[g % n_rows] for g in range(step * k, (step + 1) * k)]
 
 
 class ExampleRenderer:

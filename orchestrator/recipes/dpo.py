@@ -18,7 +18,6 @@ from orchestrator.metrics import PhaseTimer
 from orchestrator.recipes.data import Example, ExampleRenderer, draw, examples_batch, load_pairs, sample_example
 from orchestrator.recipes.sft import LazyPush
 from orchestrator.trainer import Trainer, learner_metrics
-from rewards.functions import is_correct
 
 log = logging.getLogger("fleetrl")
 
@@ -53,8 +52,7 @@ class DPOTrainer(LazyPush, Trainer):
         scored, reward_errors, _ = self.collect(step, timer)
         rewards = [x.reward for x in scored]
         chosen = preference_pairs(rewards, [x.sample.prompt_uid for x in scored], self.cfg.algorithm.min_reward_gap)
-        correct = [is_correct(self.task.verifier_fn, x.sample.prompt_text, x.sample.completion_text, x.sample.metadata)
-                   for x in scored]
+        correct = self.correct([x.sample for x in scored])
         out = {"reward/mean": sum(rewards) / len(rewards), "reward/errors": reward_errors,
                "train/accuracy": sum(correct) / len(correct), "rollout/samples": len(scored),
                "tokens_generated": sum(len(x.sample.completion_ids) for x in scored)}

@@ -23,7 +23,6 @@ from orchestrator.metrics import PhaseTimer
 from orchestrator.recipes.data import examples_batch, sample_example
 from orchestrator.recipes.sft import objective_config
 from orchestrator.trainer import Trainer, learner_metrics
-from rewards.functions import is_correct
 from workers.records import ScoredSample
 
 log = logging.getLogger("fleetrl")
@@ -60,8 +59,7 @@ class RFTTrainer(Trainer):
         timer = PhaseTimer()
         scored, reward_errors, _ = self.collect(step, timer)
         kept = keep_verified(scored, self.cfg.rft.threshold)
-        correct = [is_correct(self.task.verifier_fn, x.sample.prompt_text, x.sample.completion_text, x.sample.metadata)
-                   for x in scored]
+        correct = self.correct([x.sample for x in scored])
         out = {"rft/kept_fraction": len(kept) / len(scored), "rft/kept": len(kept),
                "rft/prompts_with_kept": len({x.sample.prompt_uid for x in kept}),
                "train/accuracy": sum(correct) / len(correct), "reward/errors": reward_errors,
