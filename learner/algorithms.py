@@ -32,7 +32,7 @@ def assemble_advantages(cfg, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]
     return fn(cfg, x)
 
 
-OBJECTIVE_KEYS = {"policy": POLICY_LOSS_KEYS, "sft": (), "dpo": ("beta", "label_smoothing")}
+OBJECTIVE_KEYS = {"policy": POLICY_LOSS_KEYS, "sft": (), "dpo": ("beta", "label_smoothing"), "prm": ()}
 """Each learner objective's settings, read from the algorithm section."""
 
 
@@ -134,9 +134,21 @@ def grpo_process(cfg, x: AdvantageInputs) -> tuple[Tensor, None]:
 
 @register_algorithm("ppo")
 def ppo(cfg, x: AdvantageInputs) -> tuple[Tensor, Tensor]:
-    """Per-token rewards: the outcome reward on the last response token, minus ``kl_reward_coef`` times the k1 KL
+    """Per-token rewards: the outcome reward on the last response token (plus, with a PRM, each step's score on the
+    step's last token), minus ``kl_reward_coef`` times the k1 KL
     of the policy to the reference on every response token; then GAE against the critic's values."""
     rewards = x.outcome_token_rewards()
+    if x.step_rewards is not None:  # a PRM's step scores (process supervision), each on its step's last token
+        rewards = rewards + step_token_rewards(x.step_rewards, x.step_ends, x.mask)
     if cfg.kl_reward_coef:
         rewards = rewards - cfg.kl_reward_coef * kl_estimate(x.old_logprobs, x.ref_logprobs, "k1") * x.mask
     return get_estimator("gae")(rewards, x.values, x.mask, cfg.gamma, cfg.lam, whiten=cfg.whiten_advantages)
+
+
+def step_token_rewards(step_rewards: Tensor, step_ends: Tensor, mask: Tensor) -> Tensor:
+    """``[B, T]`` rewards with each present step's reward on the token that ends it (``step_ends`` -1: absent)."""
+    out = torch.zeros_like(mask, dtype=step_rewards.dtype)
+    present = step_ends >= 0
+    rows = torch.arange(step_rewards.shape[0])[:, None].expand_as(step_ends)
+    out.index_put_((rows[present], step_ends[present]), step_rewards[present], accumulate=True)
+    return out * mask.to(out.dtype)

@@ -28,6 +28,7 @@ class TrainBatch:
     ref_logprobs: Tensor | None = None  # [B, T] reference model logprobs
     returns: Tensor | None = None  # [B, T] value targets (critic)
     old_values: Tensor | None = None  # [B, T] critic values before the update
+    targets: Tensor | None = None  # [B, T] labels in [0, 1] at the masked positions (PRM step labels)
     # global counts of the minibatch this shard belongs to (set by split)
     scale: LossScale | None = None
     # consecutive rows that must stay in one micro-batch and on one rank: 2 for preference pairs (DPO)

@@ -184,9 +184,24 @@ def dpo_loss(logp: Tensor, ref_logp: Tensor, mask: Tensor, scale: LossScale, *, 
                   "actor/loss": loss.detach()}
 
 
+@register_loss("prm")
+def prm_loss(logp: Tensor, targets: Tensor, mask: Tensor, scale: LossScale) -> tuple[Tensor, dict]:
+    """Process reward model (Math-Shepherd layout, :mod:`rewards.prm`): at every tag position (mask 1) the
+    probability of the tag, ``p = exp(logp)``, is the step's score; binary cross-entropy against the step label
+    ``targets`` in [0, 1] (soft: the Monte-Carlo success rate; hard: 0/1), token mean over the minibatch's tags.
+    ``log(1 - p)`` is computed as ``log(-expm1(logp))`` for accuracy when p is close to 1."""
+    logp = logp.clamp(max=-1e-6)
+    bce = -(targets * logp + (1.0 - targets) * torch.log(-torch.expm1(logp)))
+    loss = aggregate(bce, mask, "token_mean", scale)
+    hit = ((logp.exp() > 0.5) == (targets > 0.5)).to(logp.dtype)
+    return loss, {"prm/bce": loss.detach(), "prm/accuracy": aggregate(hit, mask, "token_mean", scale),
+                  "actor/loss": loss.detach()}
+
+
 def call_loss(name: str, inputs: dict, settings: dict) -> tuple[Tensor, dict]:
     """Run the registered loss ``name`` on the micro-batch ``inputs`` its signature names (``logp``, ``mask``,
-    ``scale``, ``old_logp``, ``advantages``, ``ref_logp``, ``entropy``, ``rollout_logp``) and its ``settings``.
+    ``scale``, ``old_logp``, ``advantages``, ``ref_logp``, ``entropy``, ``rollout_logp``, ``targets``) and its
+    ``settings``.
     A required input the batch lacks (None) is an error naming it."""
     fn = LOSSES.get_or_raise(name)
     params = inspect.signature(fn).parameters

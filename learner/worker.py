@@ -217,7 +217,7 @@ class LearnerWorker(LoggedActor):
             mb = replace(mb, old_logprobs=logp.detach())
         inputs = {"logp": logp, "old_logp": mb.old_logprobs, "advantages": mb.advantages, "mask": mb.response_mask,
                   "scale": mb.scale, "ref_logp": mb.ref_logprobs, "entropy": entropy,
-                  "rollout_logp": mb.rollout_logprobs}
+                  "rollout_logp": mb.rollout_logprobs, "targets": mb.targets}
         loss, metrics = call_loss(self.objective, inputs, self.loss_kwargs)
         if first_pass and self.objective == "policy":
             gap = ((logp.detach() - mb.rollout_logprobs).abs() * mb.response_mask).max()

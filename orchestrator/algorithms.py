@@ -118,9 +118,9 @@ class GRPOProcessConfig(LossConfig):
     name: Literal["grpo_process"] = "grpo_process"
     """Selects this algorithm: `algorithm.name: grpo_process`."""
     uses_step_rewards: ClassVar[bool] = True
-    step_separator: str = "\n"
+    step_separator: str | None = None
     """A step ends at each token whose text contains this string (and at the last token); "" makes every token a
-    step."""
+    step; None: `data.step_separator` (the task's: `;` for `chain`, else a newline)."""
     eps: float = Field(1e-6, gt=0.0)
     """Added to the std in the denominator."""
 
@@ -192,6 +192,18 @@ class DPOConfig(ObjectiveConfig):
         return True
 
 
+class PRMConfig(ObjectiveConfig):
+    """Process reward model training (`fleetrl prm train`): binary cross-entropy of the tag probability at every
+    step against the step's label (rewards/prm.py)."""
+
+    name: Literal["prm"] = "prm"
+    """Selects this objective: `algorithm.name: prm` (set by `fleetrl prm train`)."""
+    objective: ClassVar[str] = "prm"
+
+    def needs_reference(self) -> bool:
+        return False
+
+
 ALGORITHMS = (GRPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, ReinforcePPBaselineConfig, GDPOConfig,
-              GRPOProcessConfig, PPOConfig, SFTConfig, DPOConfig)
+              GRPOProcessConfig, PPOConfig, SFTConfig, DPOConfig, PRMConfig)
 AlgorithmConfig = Annotated[Union[ALGORITHMS], Field(discriminator="name")]  # noqa: UP007 - a tuple of classes

@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     im.add_argument("--seed", type=int, default=0, help="embedded model only")
     im.add_argument("--kind", choices=sorted(KIND_ARGS), default="arith",
                     help="embedded model only: " + ", ".join(f"{k} ({p})" for p, k in EMBEDDED_MODELS.items()))
-    im.add_argument("--target-accuracy", type=float, default=0.2,
+    im.add_argument("--target-accuracy", type=float, default=None,
                     help="embedded model only: stop the warm start at this accuracy")
     im.add_argument("--force", action="store_true", help="rebuild even if it exists")
     return p
@@ -94,12 +94,28 @@ def _cluster_command(args) -> int:
 def _eval_parsers(sub) -> None:
     ev = sub.add_parser("eval", help="greedy accuracy, pass@k and best-of-N of a checkpoint on the eval prompts")
     ev.add_argument("-c", "--config", help="YAML config file (task, dataset, engines, reward functions)")
-    ev.add_argument("--checkpoint", required=True, help="a run's final/, a checkpoint dir or an HF model dir")
+    ev.add_argument("--checkpoint", help="a run's final/, a checkpoint dir or an HF model dir (default with "
+                    "--search: model.path)")
     ev.add_argument("--n", default="1,4,16", help="comma-separated k / N values (samples per prompt: the max)")
     ev.add_argument("--select", choices=["reward", "reward_model"], default="reward",
                     help="best-of-N picks the sample with the highest summed reward or reward-model score")
-    ev.add_argument("--out", help="JSON report path (default: <run.dir>/eval.json)")
+    ev.add_argument("--out", help="JSON report path (default: <run.dir>/eval.json); with --search a directory "
+                    "(default: <run.dir>/search)")
+    ev.add_argument("--search", metavar="METHODS", help="test-time search instead: comma-separated methods of "
+                    "greedy, majority, orm_best_of_n, prm_best_of_n[:min|last|prod], prm_beam, mcts, revision")
+    ev.add_argument("--budgets", default="1,4,16", help="with --search: comma-separated budgets N")
     ev.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.eval_size=100")
+    pr = sub.add_parser("prm", help="process reward models: `label` the policy's steps by Monte-Carlo continuations "
+                        "(Math-Shepherd), `train` a PRM on the labels")
+    actions = pr.add_subparsers(dest="action", required=True)
+    label = actions.add_parser("label", help="sample solutions, label every step by K continuations from its prefix")
+    label.add_argument("--out", help="the JSONL to write (default: <run.dir>/prm_labels.jsonl)")
+    train = actions.add_parser("train", help="train a PRM on the learner group (prm.labels or --labels)")
+    train.add_argument("--labels", help="the labels JSONL (default: prm.labels)")
+    train.add_argument("--resume", help="'auto' or a checkpoint dir")
+    for sp in (label, train):
+        sp.add_argument("-c", "--config", help="YAML config file (task, model, engines, prm.*)")
+        sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. prm.continuations=16")
     rf = sub.add_parser("rft", help="rejection-sampling fine-tuning: keep verified-correct samples, SFT on them")
     rf.add_argument("-c", "--config", help="YAML config file")
     rf.add_argument("--rounds", type=int, help="rounds (default: rft.rounds)")
@@ -129,7 +145,24 @@ def _eval_command(args, cfg: FleetConfig) -> int:
     if args.command == "eval":
         from orchestrator.evaluate import parse_ns, run_eval
 
+        if args.search:
+            from orchestrator.search.driver import parse_methods, run_search
+
+            run_search(cfg, args.checkpoint, parse_methods(args.search), parse_ns(args.budgets), args.out)
+            return 0
+        if not args.checkpoint:
+            raise ConfigError("fleetrl eval: give --checkpoint (a run's final/, a checkpoint dir or an HF model dir)")
         run_eval(cfg, args.checkpoint, parse_ns(args.n), args.select, args.out)
+        return 0
+    if args.command == "prm":
+        from orchestrator.recipes.prm import run_label, run_prm_train
+
+        if args.action == "label":
+            run_label(cfg, args.out or str(Path(cfg.run.dir) / "prm_labels.jsonl"))
+            return 0
+        if args.labels:
+            cfg.prm.labels = args.labels
+        run_prm_train(cfg, args.resume)
         return 0
     try:
         if args.command == "rft":
@@ -151,9 +184,11 @@ def _eval_command(args, cfg: FleetConfig) -> int:
 
 
 KIND_ARGS = {"arith": {"kind": "arith"}, "think": {"kind": "think"},
-             "calc": {"kind": "calc", "target_accuracy": None, "max_steps": 400, "batch_size": 128}}
+             "calc": {"kind": "calc", "target_accuracy": None, "max_steps": 400, "batch_size": 128},
+             "chain": {"kind": "chain", "target_accuracy": 0.3, "max_steps": 3000, "lr": 2e-3, "batch_size": 128}}
 """How each embedded model is warm-started: the default to a target accuracy, the calculator model for a fixed
-number of steps (its demonstrations teach the tool format; accuracy without the tool stays near 0)."""
+number of steps (its demonstrations teach the tool format; accuracy without the tool stays near 0), the step
+model to 30% whole-solution accuracy (the middle of the 20-60% a process-supervision study wants)."""
 
 
 def ensure_model(cfg: FleetConfig) -> None:
@@ -189,7 +224,7 @@ def _init_model(args) -> int:
         from orchestrator.embedded_model import init_model
 
         kwargs = dict(KIND_ARGS[args.kind])
-        if args.kind in ("arith", "think"):
+        if args.kind in ("arith", "think", "chain") and args.target_accuracy is not None:
             kwargs["target_accuracy"] = args.target_accuracy
         print(init_model(out, seed=args.seed, **kwargs))
         return 0
@@ -266,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         from rewards.reward_model import ensure_reward_model
 
         ensure_reward_model(cfg.reward.model.path, cfg.model.path)
-        if args.command in ("eval", "rft", "sft", "distill"):
+        if args.command in ("eval", "rft", "sft", "distill", "prm"):
             return _eval_command(args, cfg)
         return _train(cfg, args.resume)
     except (ConfigError, FileNotFoundError, DatasetError) as e:

@@ -37,7 +37,10 @@ CALC_MODEL_PATH = ".fleetrl/models/calc-base"
 """The embedded calculator model (the tool task, ``configs/tool_calc.yaml``), built on first use like the default."""
 THINK_MODEL_PATH = ".fleetrl/models/arith-think-base"
 """The R1 recipes' embedded base: the default warm start with ``<think>``/``</think>`` tokens in its vocabulary."""
-EMBEDDED_MODELS = {EMBEDDED_MODEL_PATH: "arith", CALC_MODEL_PATH: "calc", THINK_MODEL_PATH: "think"}
+CHAIN_MODEL_PATH = ".fleetrl/models/chain-base"
+"""The step model (the ``chain`` task: process supervision, PRMs, search; ``configs/chain.yaml``)."""
+EMBEDDED_MODELS = {EMBEDDED_MODEL_PATH: "arith", CALC_MODEL_PATH: "calc", THINK_MODEL_PATH: "think",
+                   CHAIN_MODEL_PATH: "chain"}
 """Embedded model directory -> its kind (``fleetrl init-model --kind``)."""
 
 
@@ -52,11 +55,12 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    task: Literal["arithmetic", "countdown", "multi", "multiply"] = "arithmetic"
+    task: Literal["arithmetic", "countdown", "multi", "multiply", "chain"] = "arithmetic"
     """Built-in prompt generator (used when `path` is not set): `arithmetic` (`a+b=`, reward `math`),
     `countdown` (TinyZero Countdown, reward `countdown`), `multi` (two-operation arithmetic for multi-reward
     GDPO: `math` + `format` + `length`), `multiply` (3-digit by 2-digit products: the tool task for multi-turn
-    `env` episodes with the calculator). See the README, "Rewards, tasks and datasets"."""
+    `env` episodes with the calculator), `chain` (chained addition written as running totals, one step each: the
+    step task of process supervision and search, docs/search.md). See the README, "Rewards, tasks and datasets"."""
     path: str | None = None
     """A dataset to train on instead of the built-in task: JSONL (one JSON object per line) or, for a path
     ending in `.parquet`, a Parquet file."""
@@ -98,6 +102,11 @@ class DataConfig(Section):
     """`countdown`: most numbers given in a problem."""
     countdown_max_target: int = Field(100, ge=1, le=10**6)
     """`countdown`: targets are integers in [1, countdown_max_target]."""
+    chain_terms: int = Field(4, ge=2, le=8)
+    """`chain`: numbers added per problem (the solution has one step fewer)."""
+    step_separator: str | None = None
+    """The text that ends a step of a solution (process rewards, PRM labels and scores, step-level search); default:
+    the task's (`chain` compact: `;`, else a newline)."""
     seed: int = 0
     """Seed of the prompt stream (the eval split is fixed and does not depend on it)."""
 
@@ -382,6 +391,59 @@ class DistillSection(Section):
     """Training prompts the teacher answers."""
 
 
+class PRMSection(Section):
+    """Process supervision (docs/search.md): Monte-Carlo step labels (`fleetrl prm label`), PRM training
+    (`fleetrl prm train`), PRM scores as process rewards (`algorithm.name: grpo_process` or `ppo` with `path` set)
+    and PRM-guided search (`fleetrl eval --search`)."""
+
+    path: str | None = None
+    """A trained PRM (the `final/` of `fleetrl prm train`): served by the `prm-i` actors for process RL and search."""
+    orm_path: str | None = None
+    """An outcome reward model in the same layout (`fleetrl prm train prm.target=outcome`): `orm_best_of_n`."""
+    labels: str | None = None
+    """`fleetrl prm train`: the JSONL of step labels written by `fleetrl prm label` (or `--labels`)."""
+    target: Literal["soft", "hard", "outcome"] = "soft"
+    """What the PRM learns: `soft` (each step's Monte-Carlo success rate), `hard` (1 when any continuation
+    succeeded), `outcome` (the solution's final correctness on its last step only: an ORM)."""
+    tag: str = "+"
+    """The token put after every step; its probability there is the step's score (one token of the tokenizer)."""
+    prompts: int = Field(64, ge=1, le=10**6)
+    """`fleetrl prm label`: training prompts whose solutions are labelled."""
+    samples: int = Field(4, ge=1, le=1024)
+    """`fleetrl prm label`: solutions sampled per prompt."""
+    continuations: int = Field(8, ge=1, le=1024)
+    """`fleetrl prm label`: K, completions sampled from every step prefix (Math-Shepherd's N)."""
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    """`fleetrl prm train`: share of the labelled solutions held out for `prm/auc` (split by prompt)."""
+    process_weight: float = Field(1.0, ge=0.0)
+    """Process RL: weight of the PRM's step scores beside the outcome reward on the last step."""
+    num_workers: int = Field(1, ge=1, le=1024)
+    """`prm-i` actors serving the PRM."""
+    num_cpus: float = Field(0.25, ge=0.0)
+    """Ray CPUs reserved by each `prm-i` actor."""
+    batch_size: int = Field(64, ge=1, le=65536)
+    """Solutions per PRM forward pass."""
+
+
+class SearchSection(Section):
+    """`fleetrl eval --search`: settings of the step-level methods (docs/search.md)."""
+
+    expansions: int = Field(4, ge=1, le=1024)
+    """`prm_beam`: next steps sampled per beam; `mcts`: children per node."""
+    max_steps: int = Field(12, ge=1, le=1000)
+    """Steps a beam or tree path may take before it is cut."""
+    step_tokens: int = Field(16, ge=1, le=65536)
+    """Most tokens of one step."""
+    mcts_c: float = Field(1.0, ge=0.0)
+    """c of UCB = Q + c * sqrt(ln N(s) / N(s, a))."""
+    mcts_value: Literal["prm", "rollout"] = "prm"
+    """MCTS leaf value: the PRM's score of the new step, or of a complete rollout from it (min over its steps)."""
+    aggregation: Literal["min", "last", "prod"] = "min"
+    """How step scores rank complete solutions (beam, mcts, revision); `prm_best_of_n:<agg>` picks its own."""
+    revision_threshold: float = Field(0.5, ge=0.0, le=1.0)
+    """`revision`: a step the PRM scores below this is a mistake; the solution is redone from the step before."""
+
+
 class EnvConfig(Section):
     """Multi-turn episodes (agentic RL): with `name` set, each of a prompt's G samples is an episode of an
     environment instead of one completion (see docs/agents.md)."""
@@ -438,6 +500,8 @@ class FleetConfig(Section):
     sft: SFTSection = Field(default_factory=SFTSection)
     distill: DistillSection = Field(default_factory=DistillSection)
     env: EnvConfig = Field(default_factory=EnvConfig)
+    prm: PRMSection = Field(default_factory=PRMSection)
+    search: SearchSection = Field(default_factory=SearchSection)
 
     @property
     def engine_dtype(self) -> str:

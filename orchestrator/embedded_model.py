@@ -17,6 +17,8 @@ import torch
 CHARS = list("0123456789+-*=() ")
 TOOL_CHARS = CHARS + list("[]{}")
 """The calculator model's characters: a tool call is ``[expression]``, its observation ``{result}``."""
+STEP_CHARS = CHARS + [";"]
+"""The step model's characters: a ``chain`` solution's steps end with ``;``."""
 SPECIALS = ["<pad>", "<eos>", "<bos>"]
 THINK_WORDS = ["<think>", "</think>"]
 """The reasoning model's extra tokens (one token each): DeepSeek-R1's ``<think>...</think>`` tags."""
@@ -106,20 +108,24 @@ def init_model(out_dir: str | Path, seed: int = 0, target_accuracy: float | None
     """Build, then warm-start (AdamW, linear warmup then constant LR) until the held-out greedy accuracy,
     checked every 25 steps, reaches ``target_accuracy`` (None: run ``max_steps``); save. Returns a summary.
     ``kind``: ``arith`` (the default model, addition), ``calc`` (the tool model: multiplication, a minority of
-    demonstrations calling the calculator, see :data:`KINDS`) or ``think`` (the R1 recipes' base: the addition
-    warm start of ``arith``, with ``<think>`` and ``</think>`` in its vocabulary, never seen in training)."""
+    demonstrations calling the calculator, see :data:`KINDS`), ``think`` (the R1 recipes' base: the addition
+    warm start of ``arith``, with ``<think>`` and ``</think>`` in its vocabulary, never seen in training) or
+    ``chain`` (the step model: chained addition written as running totals, ``12+30+7+21=`` -> ``42;49;70``;
+    greedy accuracy counts the whole reference solution)."""
     if kind not in KINDS:
         raise ValueError(f"embedded model kind {kind!r}; valid: {sorted(KINDS)}")
     chars, examples, evals = KINDS[kind]()
+    targets = [getattr(task_of(kind), "solution", lambda m: m["answer"])(p.metadata) for p in evals]
     torch.set_num_threads(2)
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(chars, THINK_WORDS if kind == "think" else ())
     model = build_model(len(tokenizer), seed)
-    ev_prompts, ev_answers = [p.text for p in evals], [p.metadata["answer"] for p in evals]
+    ev_prompts, ev_answers = [p.text for p in evals], targets
+    new_tokens = max(len(t) for t in targets) + 1
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
     rng = random.Random(seed)
-    t0, acc, step = time.time(), greedy_accuracy(model, tokenizer, ev_prompts, ev_answers), 0
+    t0, acc, step = time.time(), greedy_accuracy(model, tokenizer, ev_prompts, ev_answers, new_tokens), 0
     log(f"init-model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params, step 0 acc {acc:.3f}")
     while (target_accuracy is None or acc < target_accuracy) and step < max_steps:
         ids, labels, attn = _encode_pairs(tokenizer, examples(rng, batch_size))
@@ -131,7 +137,7 @@ def init_model(out_dir: str | Path, seed: int = 0, target_accuracy: float | None
         sched.step()
         step += 1
         if step % 25 == 0 and (target_accuracy is not None or step == max_steps):
-            acc = greedy_accuracy(model, tokenizer, ev_prompts, ev_answers)
+            acc = greedy_accuracy(model, tokenizer, ev_prompts, ev_answers, new_tokens)
             if step % 100 == 0 or (target_accuracy is not None and acc >= target_accuracy):
                 log(f"init-model: step {step} loss {loss.item():.3f} greedy eval acc {acc:.3f}")
         elif step % 100 == 0:
@@ -155,10 +161,26 @@ def init_model(out_dir: str | Path, seed: int = 0, target_accuracy: float | None
 
 
 def _arith():
-    from rewards.tasks import ArithmeticTask
-
-    task = ArithmeticTask()
+    task = task_of("arith")
     return CHARS, task.sft_examples, task.eval_set(200)
+
+
+CHAIN_SETTINGS = {"max_operand": 9, "terms": 4}
+"""The step model's task (``configs/chain.yaml`` uses the same): four numbers in [0, 9], three steps."""
+
+
+def _chain():
+    task = task_of("chain")
+    return STEP_CHARS, task.sft_examples, task.eval_set(200)
+
+
+def task_of(kind: str):
+    """The task a kind's warm start trains on."""
+    from rewards.tasks import ArithmeticTask, ChainTask, MultiplyTask
+
+    if kind == "chain":
+        return ChainTask(**CHAIN_SETTINGS)
+    return MultiplyTask() if kind == "calc" else ArithmeticTask()
 
 
 CALC_TOOL_FRACTION = 0.2
@@ -166,11 +188,9 @@ CALC_TOOL_FRACTION = 0.2
 
 
 def _calc():
-    from rewards.tasks import MultiplyTask
-
-    task = MultiplyTask()
+    task = task_of("calc")
     return TOOL_CHARS, lambda rng, n: task.sft_examples(rng, n, CALC_TOOL_FRACTION), task.eval_set(200)
 
 
-KINDS = {"arith": _arith, "calc": _calc, "think": _arith}
+KINDS = {"arith": _arith, "calc": _calc, "think": _arith, "chain": _chain}
 """Embedded model kind -> (its characters, warm-start examples ``(rng, n)``, held-out prompts)."""

@@ -165,19 +165,31 @@ class RolloutPool(ActorPool):
         if buckets:
             ray.get(worker.load_weights.remote(buckets, self.version))
 
-    def generate(self, prompts: list[Prompt], group_size: int, temperature: float, seed: int | None) -> list[Sample]:
+    def generate(self, prompts: list[Prompt], group_size: int, temperature: float, seed: int | None,
+                 prefixes: list[list[int]] | None = None, stop: list[str] | None = None,
+                 max_new_tokens: int | None = None) -> list[Sample]:
         """``group_size`` samples per prompt, grouped by prompt: completions, or with ``env.name`` set multi-turn
-        episodes (each sample one episode, :meth:`RolloutWorker.run_episodes`)."""
+        episodes (each sample one episode, :meth:`RolloutWorker.run_episodes`). ``prefixes``, ``stop``: continue
+        partial solutions, stop at extra strings (see :meth:`RolloutWorker.generate`); ``max_new_tokens``: instead
+        of ``rollout.max_new_tokens``."""
         r = self.cfg.rollout
-        parts = _chunks([(p.uid, p.text, p.metadata) for p in prompts], len(self.workers))
+        items = [(p.uid, p.text, p.metadata) for p in prompts]
+        if prefixes is not None:
+            parts = _chunks(list(zip(items, prefixes)), len(self.workers))
+            budget = max_new_tokens or r.max_new_tokens
+            outs = self.fan_out(lambda w, part: w.generate.remote(
+                [x for x, _ in part], group_size, budget, temperature, r.top_p, seed, [pre for _, pre in part],
+                stop), parts)
+            return [s for out in outs for s in out]
+        parts = _chunks(items, len(self.workers))
         if self.cfg.env.name:
             env = env_spec(self.cfg)
             actors = self.envs.workers if self.envs else None
             outs = self.fan_out(lambda w, part: w.run_episodes.remote(part, group_size, env, r.max_new_tokens,
                                                                       temperature, r.top_p, seed, actors), parts)
         else:
-            outs = self.fan_out(lambda w, part: w.generate.remote(part, group_size, r.max_new_tokens, temperature,
-                                                                  r.top_p, seed), parts)
+            outs = self.fan_out(lambda w, part: w.generate.remote(part, group_size, max_new_tokens or r.max_new_tokens,
+                                                                  temperature, r.top_p, seed, None, stop), parts)
         return [s for out in outs for s in out]
 
     def probe(self, prompts: list[Prompt], max_new_tokens: int, seed: int) -> list[Sample]:
@@ -289,6 +301,28 @@ class RewardModelPool(ActorPool):
         """The reward model's score of each sample, in order."""
         outs = self.fan_out(lambda w, part: w.score.remote([(s.prompt_text, s.completion_text) for s in part]),
                             _chunks(samples, len(self.workers)))
+        return [v for out in outs for v in out]
+
+
+class PRMPool(ActorPool):
+    """The `prm-i` actors (or `orm-i` for the outcome model), each hosting a step-scoring model
+    (:class:`rewards.prm.PRMWorker`). ``score`` spreads solutions over workers and keeps order; a dead actor is
+    replaced and its share re-scored (budget ``reward.max_restarts``)."""
+
+    def __init__(self, cfg: FleetConfig, path: str, role: str = "prm"):
+        self.cfg, self.path, self.role = cfg, path, role
+        super().__init__(cfg.prm.num_workers, cfg.reward.max_restarts)
+
+    def _spawn(self, index: int, name: str):
+        from rewards.prm import PRMWorker
+
+        p = self.cfg.prm
+        actor = ray.remote(PRMWorker).options(num_cpus=p.num_cpus, **self._options(name))
+        return actor.remote(self.path, p.batch_size, self.cfg.trainer.torch_threads)
+
+    def score(self, items: list[tuple[str, list[str]]]) -> list[list[float]]:
+        """Each (prompt text, steps)'s step scores, in order."""
+        outs = self.fan_out(lambda w, part: w.score.remote(part), _chunks(items, len(self.workers)))
         return [v for out in outs for v in out]
 
 

@@ -25,7 +25,7 @@ from orchestrator.config import FleetConfig, dump_config
 from orchestrator.console import Console, banner
 from orchestrator.controller import start_controller
 from orchestrator.metrics import MetricsLogger, PhaseTimer
-from orchestrator.pools import EnvPool, LearnerDied, LearnerGroup, RewardPool, RolloutPool, gather_metrics
+from orchestrator.pools import EnvPool, LearnerDied, LearnerGroup, PRMPool, RewardPool, RolloutPool, gather_metrics
 from orchestrator.run_status import RunStatus
 from orchestrator.weight_sync import make_weight_sync
 from rewards.functions import is_correct
@@ -75,6 +75,8 @@ class Trainer:
         self.weight_sync = make_weight_sync(self.cfg, self.learner, self.rollouts, self.task.train_batch(0, 1),
                                             self.pad_id)
         self.rewards = RewardPool(self.cfg)
+        self.prm = PRMPool(self.cfg, self.cfg.prm.path) if self.cfg.prm.path and self.uses_process_rewards() \
+            else None
         self.controller = start_controller(self.run_dir.name, len(self.rollouts.workers), len(self.rewards.workers),
                                            len(self.envs.workers) if self.envs else 0)
         log.info("actors up in %.1fs: %d rollout, %d reward, %d learner ranks", time.perf_counter() - t0,
@@ -235,7 +237,7 @@ class Trainer:
             if self.critic:
                 batch.old_values = self.critic.compute_values(batch)
         with timer("advantages"):
-            steps = self.step_rewards(scored) if self.cfg.algorithm.uses_step_rewards else None
+            steps = self.step_rewards(scored) if self.uses_process_rewards() else None
             batch.advantages, batch.returns = self.advantages(scored, batch, steps)
         with timer("learn"):
             train_metrics = self.learn(batch)
@@ -247,6 +249,10 @@ class Trainer:
         out = {**self._rollout_metrics(scored, batch, reward_errors, train_metrics, staleness),
                **learner_metrics(train_metrics), **sync_metrics, **sampling,
                **self._timing(timer, train_metrics, queued)}
+        if steps is not None:
+            present = steps[1] >= 0
+            out["process/step_reward_mean"] = float(steps[0][present].mean())
+            out["process/steps_per_sample"] = float(present.sum(1).float().mean())
         out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
         out["throughput/samples_per_s"] = len(scored) / out["time/step_s"]
         return out
@@ -276,6 +282,11 @@ class Trainer:
             return 0
         (scored, _, _), _ = self.prefetch.result()
         return len({x.sample.prompt_uid for x in scored})
+
+    def uses_process_rewards(self) -> bool:
+        """Step rewards reach the advantages: ``grpo_process`` always, PPO when a PRM is configured."""
+        a = self.cfg.algorithm
+        return a.uses_step_rewards or bool(self.cfg.prm.path and a.uses_critic)
 
     def separate_logprob_pass(self) -> bool:
         """Whether old/reference logprobs need their own forward pass before the update (see learner.logprob_pass):
@@ -365,20 +376,44 @@ class Trainer:
         return {**gather_metrics(refs), **(gather_metrics(critic_refs, "critic") if critic_refs else {})}
 
     def step_rewards(self, scored: list[ScoredSample]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Process supervision: cut each completion into steps and score every step's prefix with the reward
-        workers. Returns ``(step_rewards [B, S], step_ends [B, S])`` with -1 ends for absent steps."""
-        sep = self.cfg.algorithm.step_separator
+        """Process supervision: cut each completion into steps (at tokens whose text holds the step separator)
+        and score every step. With ``prm.path``: the PRM's step scores times ``prm.process_weight`` (for GRPO-style
+        methods the outcome reward is added on the last step, so the steps carry all the credit; PPO already has
+        it on the last token); else the reward functions on every step's prefix. Returns ``(step_rewards [B, S],
+        step_ends [B, S])`` with -1 ends for absent steps."""
+        sep = process_separator(self.cfg)
         ends = [_step_ends([self.tokenizer.decode([t]) for t in x.sample.completion_ids], sep) for x in scored]
-        prefixes = [dataclasses.replace(x.sample, completion_text=self.tokenizer.decode(
-            x.sample.completion_ids[: e + 1], skip_special_tokens=True)) for x, es in zip(scored, ends) for e in es]
-        rewards = iter([r.reward for r in self.rewards.score(prefixes)[0]])
+        if self.prm is not None:
+            values = iter(self._prm_step_rewards(scored, ends))
+        else:
+            prefixes = [dataclasses.replace(x.sample, completion_text=self.tokenizer.decode(
+                x.sample.completion_ids[: e + 1], skip_special_tokens=True)) for x, es in zip(scored, ends)
+                for e in es]
+            values = iter([r.reward for r in self.rewards.score(prefixes)[0]])
         S = max(1, max(len(e) for e in ends))
         step_rewards = torch.zeros(len(scored), S)
         step_ends = torch.full((len(scored), S), -1, dtype=torch.long)
         for i, es in enumerate(ends):
             for k, e in enumerate(es):
-                step_rewards[i, k], step_ends[i, k] = next(rewards), e
+                step_rewards[i, k], step_ends[i, k] = next(values), e
         return step_rewards, step_ends
+
+    def _prm_step_rewards(self, scored: list[ScoredSample], ends: list[list[int]]) -> list[float]:
+        """Flat per-step rewards from the PRM, in (sample, step) order."""
+        items = []
+        for x, es in zip(scored, ends):
+            ids, starts = x.sample.completion_ids, [0] + [e + 1 for e in es[:-1]]
+            items.append((x.sample.prompt_text, [self.tokenizer.decode(ids[a: b + 1], skip_special_tokens=True)
+                                                 for a, b in zip(starts, es)]))
+        scores = self.prm.score(items)
+        w, outcome = self.cfg.prm.process_weight, not self.cfg.algorithm.uses_critic
+        out = []
+        for x, per_step in zip(scored, scores):
+            values = [w * v for v in per_step]
+            if outcome and values:
+                values[-1] += x.reward
+            out += values
+        return out
 
     def advantages(self, scored: list[ScoredSample], batch: TrainBatch, steps=None):
         """Per-token (advantages, returns) from the configured algorithm (:mod:`learner.algorithms`)."""
@@ -488,6 +523,20 @@ def episode_metrics(samples: list) -> dict:
     return out
 
 
+def process_separator(cfg: FleetConfig) -> str:
+    """The step separator of process rewards: ``algorithm.step_separator`` (grpo_process) when set, else
+    :func:`step_separator`."""
+    own = getattr(cfg.algorithm, "step_separator", None)
+    return own if own is not None else step_separator(cfg)
+
+
+def step_separator(cfg: FleetConfig) -> str:
+    """``data.step_separator``, else the built-in task's (``chain`` compact: ``;``), else a newline."""
+    if cfg.data.step_separator:
+        return cfg.data.step_separator
+    return "\n" if cfg.data.path else make_task_from_config(cfg.data).step_separator
+
+
 def _step_ends(token_texts: list[str], separator: str) -> list[int]:
     """Token indices that end a step: tokens containing ``separator`` (every token when it is ""), and the last."""
     ends = [i for i, t in enumerate(token_texts) if separator == "" or separator in t]
@@ -584,4 +633,5 @@ def _cpus_needed(cfg: FleetConfig) -> float:
     envs = cfg.env.num_workers * cfg.env.num_cpus if cfg.env.name else 0.0
     return (envs + cfg.rollout.num_workers * cfg.rollout.num_cpus + cfg.reward.num_workers * cfg.reward.num_cpus
             + learner_groups * cfg.learner.num_ranks * cfg.learner.num_cpus
-            + (rm.num_workers * rm.num_cpus if rm.path else 0))
+            + (rm.num_workers * rm.num_cpus if rm.path else 0)
+            + (2 * cfg.prm.num_workers * cfg.prm.num_cpus if cfg.prm.path or cfg.prm.orm_path else 0))

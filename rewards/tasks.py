@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import ClassVar, Literal, get_args
 
-from rewards.functions import RewardFn, load_reward_function, register_reward
+from rewards.functions import RewardFn, final_part, load_reward_function, register_reward
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,8 @@ class Task:
 
     verifier: str
     seed: int
+    step_separator: str = "\n"
+    """The text that ends a step of a solution (process rewards, PRMs, step-level search)."""
 
     @functools.cached_property
     def verifier_fn(self) -> RewardFn:
@@ -383,7 +385,82 @@ class MultiplyTask(GeneratedTask):
         return out
 
 
-TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "multi": MultiTask, "multiply": MultiplyTask}
+class ChainTask(GeneratedTask):
+    """Chained addition with its steps written out: the built-in step-structured task (process supervision,
+    PRMs, step-level search). ``a+b+c+d=`` is solved as the running totals, one step each, the last one the
+    answer: ``12+30+7+21=`` -> ``42;49;70``. Every step is checkable on its own (``metadata["steps"]``), so a
+    process reward model's step scores can be compared with the truth, not only with Monte-Carlo labels.
+
+    ``prompt_style="compact"``: the embedded step model's characters, steps separated by ``;``;
+    ``"text"``: the question in words, one running total per line (separator ``\n``). ``chain_terms`` numbers
+    are drawn from [0, max_operand]; the split is decided by the expression. metadata: ``{"answer",
+    "terms", "steps"}`` (steps as strings).
+    """
+
+    name = "chain"
+    config_fields = {"max_operand": "max_operand", "seed": "seed", "terms": "chain_terms",
+                     "prompt_style": "prompt_style"}
+    verifier = "chain"
+    default_style = "compact"
+    separators: ClassVar[dict[str, str]] = {"compact": ";", "text": "\n"}
+
+    def __init__(self, max_operand: int = 99, seed: int = 0, terms: int = 4, prompt_style: PromptStyle = "compact"):
+        _check_style(self.name, prompt_style)
+        if not 2 <= terms <= 8:
+            raise ValueError(f"task 'chain': terms must be in [2, 8], got {terms}")
+        self.max_operand, self.seed, self.terms, self.prompt_style = max_operand, seed, terms, prompt_style
+
+    @property
+    def step_separator(self) -> str:
+        return self.separators[self.prompt_style]
+
+    def draw(self, rng: random.Random, held_out: bool) -> tuple[str, str, dict] | None:
+        terms = [rng.randint(0, self.max_operand) for _ in range(self.terms)]
+        expr = "+".join(map(str, terms))
+        if not self.in_split(expr, held_out):
+            return None
+        steps = [str(sum(terms[: k + 1])) for k in range(1, len(terms))]
+        text = f"{expr}=" if self.prompt_style == "compact" else (
+            f"Add {', '.join(map(str, terms[:-1]))} and {terms[-1]} one number at a time: write each running total "
+            "on its own line and nothing else; the last line is the answer.")
+        return expr, text, {"answer": steps[-1], "terms": terms, "steps": steps}
+
+    def solution(self, metadata: dict) -> str:
+        """The reference completion: the steps joined by the separator."""
+        return self.step_separator.join(metadata["steps"])
+
+    def sft_examples(self, rng: random.Random, n: int) -> list[tuple[str, str]]:
+        """(prompt, reference completion) pairs from the training split, for the embedded model's warm start."""
+        out = []
+        for _ in range(n):
+            _, text, meta = self._draw_from_split(rng, held_out=False)
+            out.append((text, self.solution(meta)))
+        return out
+
+
+_LAST_INT = re.compile(r"-?\d+")
+
+
+@register_reward("chain")
+def chain_reward(prompt: str, completion: str, metadata: dict) -> float:
+    """1.0 when the completion's last number (its last step) is ``metadata["answer"]``, else 0.0."""
+    numbers = _LAST_INT.findall(final_part(completion))
+    return float(bool(numbers) and int(numbers[-1]) == int(metadata["answer"]))
+
+
+def step_truth(steps: list[str], metadata: dict) -> list[bool]:
+    """Whether each written step of a ``chain`` solution is the true running total at that point (a step that
+    is not exactly one number is wrong; steps past the last true one are wrong)."""
+    truth = metadata["steps"]
+    out = []
+    for k, step in enumerate(steps):
+        numbers = _LAST_INT.findall(step)
+        out.append(k < len(truth) and len(numbers) == 1 and int(numbers[0]) == int(truth[k]))
+    return out
+
+
+TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "multi": MultiTask, "multiply": MultiplyTask,
+         "chain": ChainTask}
 
 
 def make_task(name: str, **kwargs) -> ArithmeticTask | GeneratedTask:

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs" / "configuration.md"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PATTERN = re.compile(r"(<!-- config-reference:start -->\n)(.*?)(<!-- config-reference:end -->)", re.S)
-SECTIONS = "model|data|rollout|reward|algorithm|learner|trainer|run|rft|sft|distill|env"
+SECTIONS = "model|data|rollout|reward|algorithm|learner|trainer|run|rft|sft|distill|env|prm|search"
 FILES = (".py", ".md", ".gguf", ".yaml", ".json", ".jsonl", ".png", ".db")
 
 

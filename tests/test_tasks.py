@@ -106,7 +106,8 @@ def test_countdown_accuracy_needs_an_expression_not_the_target():
 
 def test_every_task_names_its_verifier():
     assert {name: cls.verifier for name, cls in TASKS.items()} == {"arithmetic": "math", "countdown": "countdown",
-                                                                  "multi": "math", "multiply": "math"}
+                                                                  "multi": "math", "multiply": "math",
+                                                                  "chain": "chain"}
     assert make_task_from_config(DataConfig(task="arithmetic")).verifier_fn is math_reward
     assert make_task_from_config(DataConfig(task="multi", prompt_style="compact")).verifier_fn is math_reward
     assert make_task_from_config(DataConfig(task="countdown")).verifier_fn is countdown_reward
@@ -164,7 +165,7 @@ def test_make_task_from_config_passes_the_task_fields():
 
 
 def test_bad_task_settings_are_clear_errors():
-    valid = r"\['arithmetic', 'countdown', 'multi', 'multiply'\]"
+    valid = r"\['arithmetic', 'chain', 'countdown', 'multi', 'multiply'\]"
     with pytest.raises(KeyError, match=rf"unknown task 'gsm8k'; valid: {valid}"):
         make_task("gsm8k")
     with pytest.raises(ValueError, match="prompt_style must be one of"):

@@ -58,24 +58,33 @@ class RolloutWorker(LoggedActor):
         self.episodes = None  # EpisodeFactory of the env config last used (run_episodes)
 
     def generate(self, prompts: list[tuple[str, str | list[dict], dict]], group_size: int, max_new_tokens: int,
-                 temperature: float, top_p: float, seed: int | None) -> list[Sample]:
+                 temperature: float, top_p: float, seed: int | None, prefixes: list[list[int]] | None = None,
+                 stop: list[str] | None = None) -> list[Sample]:
         """``prompts`` are (uid, prompt, metadata), the prompt a string or chat messages, rendered by
         :class:`PromptRenderer`. Returns ``len(prompts) * group_size`` samples, grouped by prompt. Generation stops
         at the model's EOS / end-of-turn tokens (kept as the last completion token) or a ``stop`` string (kept in
         the text). ``temperature == 0`` is greedy. Each sample gets its own seed derived from ``seed`` so results
-        do not depend on how prompts are spread over workers."""
+        do not depend on how prompts are spread over workers.
+
+        ``prefixes[i]``: token ids that continue prompt i's rendered ids (a partial solution being extended: step
+        labels, step-level search); the sample's prompt is the prompt and its prefix, its completion what follows.
+        ``stop``: more stop strings for this call (one step: the step separator)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         requests, params, texts = [], [], []
-        for uid, prompt, _ in prompts:
+        stops = (self.stop + list(stop or [])) or None
+        for i, (uid, prompt, _) in enumerate(prompts):
             text, ids = self.renderer.render(prompt)
+            if prefixes is not None and prefixes[i]:
+                ids = ids + list(prefixes[i])
+                text += self.tokenizer.decode(prefixes[i])
             texts.append(text)
             for j in range(group_size):
                 requests.append(TokensPrompt(prompt_token_ids=ids))
                 params.append(SamplingParams(
                     n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
-                    seed=None if seed is None else _sample_seed(seed, uid, j), stop=self.stop or None,
+                    seed=None if seed is None else _sample_seed(seed, uid, j), stop=stops,
                     include_stop_str_in_output=True,
                 ))
         outputs = self.llm.generate(requests, params, use_tqdm=False)
