@@ -436,8 +436,9 @@ class SearchSection(Section):
     """Most tokens of one step."""
     mcts_c: float = Field(1.0, ge=0.0)
     """c of UCB = Q + c * sqrt(ln N(s) / N(s, a))."""
-    mcts_value: Literal["prm", "rollout"] = "prm"
-    """MCTS leaf value: the PRM's score of the new step, or of a complete rollout from it (min over its steps)."""
+    mcts_value: Literal["prm", "rollout"] = "rollout"
+    """MCTS leaf value: the PRM's score of a complete rollout sampled from the new step (aggregated over its
+    steps), or (`prm`) the PRM's score of the new step alone."""
     aggregation: Literal["min", "last", "prod"] = "min"
     """How step scores rank complete solutions (beam, mcts, revision); `prm_best_of_n:<agg>` picks its own."""
     revision_threshold: float = Field(0.5, ge=0.0, le=1.0)

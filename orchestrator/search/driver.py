@@ -13,7 +13,9 @@ Methods (a budget N means):
 - ``prm_beam``: step-level beam search: N candidate steps per round, ``N // search.expansions`` beams each
   expanded with ``search.expansions`` next steps, the top beams by PRM score kept.
 - ``mcts``: N simulations over steps: UCB selection (``search.mcts_c``), one new step per expansion, its value the
-  PRM's score of the step (or of a complete rollout from it, ``search.mcts_value: rollout``), backed up to the root.
+  PRM's score of a complete rollout sampled from it (min over its steps; ``search.mcts_value: prm`` uses the new
+  step's own score and finishes the most visited path at the end), backed up to the root; the answer is the best
+  complete solution seen by PRM score.
 - ``revision``: one solution, then up to N - 1 revisions: the PRM reviews the steps, and the model redoes the
   solution from just before the first step scored below ``search.revision_threshold``.
 """
@@ -220,7 +222,13 @@ class Searcher:
                 if child.terminal:
                     complete[i].append(child)
                 backup(child, child.value)
-        return [self._pick(complete[i] or self._most_visited_path(roots[i]), tokens[i]) for i in range(len(prompts))]
+        unfinished = [i for i in range(len(prompts)) if not complete[i]]
+        if unfinished:  # no path reached an end: finish the most visited one with one sample
+            ends = self._rollout_values(prompts, [(i, None, self._most_visited(roots[i])) for i in unfinished])
+            for i, (_, end, spent) in zip(unfinished, ends):
+                tokens[i] += spent
+                complete[i].append(end or self._most_visited(roots[i]))
+        return [self._pick(complete[i], tokens[i]) for i in range(len(prompts))]
 
     def _rollout_values(self, prompts, made) -> list[tuple[float, Node | None, int]]:
         """MCTS rollout values: one sampled completion from each new node, scored by the PRM (aggregated); returns
@@ -239,11 +247,11 @@ class Searcher:
         return out
 
     @staticmethod
-    def _most_visited_path(root: Node) -> list[Node]:
+    def _most_visited(root: Node) -> Node:
         node = root
         while node.children:
             node = max(node.children, key=lambda c: c.visits)
-        return [node]
+        return node
 
     def revision(self, prompts, budget: int) -> list[Solution]:
         prm, thr = self._need_prm(), self.cfg.search.revision_threshold
