@@ -26,7 +26,7 @@ def _fleetrl(*args, timeout=600) -> subprocess.CompletedProcess:
 @pytest.mark.e2e
 def test_label_train_serve_process_rl_and_search(tmp_path):
     model = tmp_path / "chain-base"  # a short warm start: the plumbing, not the accuracy, is under test here
-    init_model(model, kind="chain", target_accuracy=None, max_steps=150, batch_size=128, log=lambda *_: None)
+    init_model(model, kind="chain", target_accuracy=None, max_steps=100, batch_size=128, log=lambda *_: None)
     base = ["-c", "configs/chain.yaml", f"model.path={model}", *SMALL]
 
     labels = tmp_path / "labels.jsonl"
@@ -42,11 +42,11 @@ def test_label_train_serve_process_rl_and_search(tmp_path):
 
     prm_dir = tmp_path / "prm"
     _fleetrl("prm", "train", *base, f"--labels={labels}", "prm.eval_fraction=0.3", "trainer.total_steps=4",
-             "trainer.eval_every=2", f"run.dir={prm_dir}")
+             "trainer.eval_every=2", "learner.lr=1e-3", f"run.dir={prm_dir}")
     trained = [r for r in _rows(prm_dir) if "prm/bce" in r]
     assert len(trained) == 4 and trained[-1]["prm/bce"] < trained[0]["prm/bce"]
     meta = json.loads((prm_dir / "final" / "fleetrl_prm.json").read_text())
-    assert meta["tag"] == "+" and meta["separator"] == ";" and meta["target"] == "soft"
+    assert meta["tag"] == ")" and meta["separator"] == ";" and meta["target"] == "soft"
 
     rl_dir = tmp_path / "rl"
     _fleetrl("train", *base, "algorithm.name=grpo_process", f"prm.path={prm_dir / 'final'}", "trainer.total_steps=2",
