@@ -259,8 +259,21 @@ def _train(cfg: FleetConfig, resume: str | None) -> int:
     return 0
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; dotted ``key=value`` overrides may come before or after the options (argparse alone takes
+    them only in one run)."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [x for x in extra if x.startswith("-") or "=" not in x]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     if args.command != "train":  # a training run sends its log to <run.dir>/logs/driver.log (orchestrator.console)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

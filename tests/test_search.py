@@ -240,3 +240,14 @@ def test_held_out_split_is_by_prompt():
     share = sum(held_out(r, 0.1) for r in rows) / len(rows)
     assert 0.07 < share < 0.13
     assert held_out(rows[5], 0.1) == held_out(dict(rows[5]), 0.1)
+
+
+def test_overrides_may_follow_options():
+    from orchestrator.cli import parse_args
+
+    args = parse_args(["prm", "label", "-c", "configs/chain.yaml", "prm.prompts=8", "--out=x.jsonl", "prm.samples=2"])
+    assert args.overrides == ["prm.prompts=8", "prm.samples=2"] and args.out == "x.jsonl"
+    with pytest.raises(SystemExit):
+        parse_args(["prm", "label", "--bogus"])
+    with pytest.raises(SystemExit):
+        parse_args(["export", "src", "--out", "o", "a=1"])  # export takes no overrides
