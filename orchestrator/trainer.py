@@ -84,6 +84,10 @@ class Trainer:
         for line in banner(self.cfg, self.learner.world, len(self.rollouts.workers), len(self.rewards.workers),
                            self.dashboard):
             self.console.print(line)
+        slow = slow_bf16_warning(self.cfg)
+        if slow:
+            log.warning(slow)
+            self.console.print(f"fleetrl: warning: {slow}")
         if self.resume_from:
             self.restore(self.resume_from)
 
@@ -521,6 +525,29 @@ def episode_metrics(samples: list) -> dict:
         out["env/tool_latency_p50_s"] = latency[len(latency) // 2]
         out["env/tool_latency_p99_s"] = latency[min(len(latency) - 1, int(0.99 * len(latency)))]
     return out
+
+
+def slow_bf16_warning(cfg: FleetConfig, cpuinfo: str | None = None) -> str | None:
+    """A warning when bfloat16 is configured on a CPU without native bf16 (no AVX512_BF16 or AMX): there bf16
+    matrix products are emulated (measured 50x slower than fp32 on an AVX2-only AMD EPYC). None otherwise, or on
+    a GPU machine."""
+    bf16 = [k for k, v in (("rollout.dtype", cfg.engine_dtype), ("learner.mixed_precision",
+                                                                  cfg.learner.mixed_precision),
+                           ("model.dtype", cfg.model.dtype)) if v == "bfloat16"]
+    if not bf16 or torch.cuda.is_available():
+        return None
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    flags = set(next((line.split(":", 1)[1] for line in cpuinfo.splitlines() if line.startswith("flags")),
+                     "").split())
+    if flags & {"avx512_bf16", "amx_bf16"}:
+        return None
+    return (f"{', '.join(bf16)} = bfloat16 on a CPU without native bf16 (no avx512_bf16 or amx_bf16 in "
+            "/proc/cpuinfo): bf16 matrix products are emulated here and much slower than float32; consider "
+            f"{' '.join(f'{k}=float32' if k != 'learner.mixed_precision' else f'{k}=null' for k in bf16)}")
 
 
 def process_separator(cfg: FleetConfig) -> str:

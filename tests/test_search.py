@@ -251,3 +251,15 @@ def test_overrides_may_follow_options():
         parse_args(["prm", "label", "--bogus"])
     with pytest.raises(SystemExit):
         parse_args(["export", "src", "--out", "o", "a=1"])  # export takes no overrides
+
+
+def test_slow_bf16_warning_names_the_keys():
+    from orchestrator.trainer import slow_bf16_warning
+
+    cfg = load_config(None, ["rollout.dtype=bfloat16", "learner.mixed_precision=bfloat16"])
+    avx2 = "processor : 0\nflags : fpu sse avx2\n"
+    warning = slow_bf16_warning(cfg, avx2)
+    assert "rollout.dtype, learner.mixed_precision" in warning and "learner.mixed_precision=null" in warning
+    assert slow_bf16_warning(cfg, "flags : avx2 avx512_bf16\n") is None
+    assert slow_bf16_warning(cfg, "flags : avx2 amx_bf16 amx_tile\n") is None
+    assert slow_bf16_warning(load_config(None, []), avx2) is None  # float32: nothing to say
