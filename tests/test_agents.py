@@ -46,11 +46,20 @@ DIE_ONCE = Path(tempfile.gettempdir()) / "fleetrl-test-env-actor-dies-once"
 STEP_1_CALLS = {f"{p.metadata['a']}*{p.metadata['b']}" for p in MultiplyTask().train_batch(1, 8)}
 
 
+def _first_to_die() -> bool:
+    """True for exactly one caller across both env actors: the marker is created atomically (O_EXCL), so two
+    actors meeting step 1's problems at once cannot both pass the check and both die (CI saw 2 restarts once)."""
+    try:
+        os.close(os.open(DIE_ONCE, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 def sleepy(expression: str) -> str:
     """A calculator that hangs (10 s) when the first factor is odd (about half of the calls), and kills the
     process it runs in (an env actor) on its first call for one of step 1's problems."""
-    if expression in STEP_1_CALLS and not DIE_ONCE.exists():
-        DIE_ONCE.touch()
+    if expression in STEP_1_CALLS and _first_to_die():
         os._exit(1)
     if int(expression.split("*")[0] or 0) % 2:
         time.sleep(10)
