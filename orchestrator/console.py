@@ -14,8 +14,12 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from orchestrator.metrics import progress_line
+
+if TYPE_CHECKING:
+    from orchestrator.config import FleetConfig
 
 _ACTORS: dict[str, tuple[str, str]] = {}
 """Ray actor id (hex) and actor name -> (actor name, its log file), for naming failed actors."""
@@ -187,3 +191,28 @@ def banner(cfg, learner_ranks: int, rollout: int, reward: int, dashboard: str | 
     if dashboard:
         lines.append(f"  dashboard    {dashboard}")
     return lines
+
+
+def slow_bf16_warning(cfg: FleetConfig, cpuinfo: str | None = None) -> str | None:
+    """A warning when bfloat16 is configured on a CPU without native bf16 (no AVX512_BF16 or AMX): there bf16
+    matrix products are emulated (measured 50x slower than fp32 on an AVX2-only AMD EPYC). None otherwise, or on
+    a GPU machine."""
+    bf16 = [k for k, v in (("rollout.dtype", cfg.engine_dtype), ("learner.mixed_precision",
+                                                                  cfg.learner.mixed_precision),
+                           ("model.dtype", cfg.model.dtype)) if v == "bfloat16"]
+    import torch
+
+    if not bf16 or torch.cuda.is_available():
+        return None
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    flags = set(next((line.split(":", 1)[1] for line in cpuinfo.splitlines() if line.startswith("flags")),
+                     "").split())
+    if flags & {"avx512_bf16", "amx_bf16"}:
+        return None
+    return (f"{', '.join(bf16)} = bfloat16 on a CPU without native bf16 (no avx512_bf16 or amx_bf16 in "
+            "/proc/cpuinfo): bf16 matrix products are emulated here and much slower than float32; consider "
+            f"{' '.join(f'{k}=float32' if k != 'learner.mixed_precision' else f'{k}=null' for k in bf16)}")

@@ -22,11 +22,12 @@ from learner.algorithms import advantage_inputs, assemble_advantages
 from learner.batch import TrainBatch, build_batch
 from orchestrator import checkpoint as ckpt
 from orchestrator.config import FleetConfig, dump_config
-from orchestrator.console import Console, banner
+from orchestrator.console import Console, banner, slow_bf16_warning
 from orchestrator.controller import start_controller
 from orchestrator.metrics import MetricsLogger, PhaseTimer
 from orchestrator.pools import EnvPool, LearnerDied, LearnerGroup, PRMPool, RewardPool, RolloutPool, gather_metrics
 from orchestrator.run_status import RunStatus
+from orchestrator.steps import process_separator, step_ends
 from orchestrator.weight_sync import make_weight_sync
 from rewards.functions import is_correct
 from rewards.tasks import make_task_from_config
@@ -386,7 +387,7 @@ class Trainer:
         it on the last token); else the reward functions on every step's prefix. Returns ``(step_rewards [B, S],
         step_ends [B, S])`` with -1 ends for absent steps."""
         sep = process_separator(self.cfg)
-        ends = [_step_ends([self.tokenizer.decode([t]) for t in x.sample.completion_ids], sep) for x in scored]
+        ends = [step_ends([self.tokenizer.decode([t]) for t in x.sample.completion_ids], sep) for x in scored]
         if self.prm is not None:
             values = iter(self._prm_step_rewards(scored, ends))
         else:
@@ -396,11 +397,11 @@ class Trainer:
             values = iter([r.reward for r in self.rewards.score(prefixes)[0]])
         S = max(1, max(len(e) for e in ends))
         step_rewards = torch.zeros(len(scored), S)
-        step_ends = torch.full((len(scored), S), -1, dtype=torch.long)
+        end_index = torch.full((len(scored), S), -1, dtype=torch.long)
         for i, es in enumerate(ends):
             for k, e in enumerate(es):
-                step_rewards[i, k], step_ends[i, k] = next(values), e
-        return step_rewards, step_ends
+                step_rewards[i, k], end_index[i, k] = next(values), e
+        return step_rewards, end_index
 
     def _prm_step_rewards(self, scored: list[ScoredSample], ends: list[list[int]]) -> list[float]:
         """Flat per-step rewards from the PRM, in (sample, step) order."""
@@ -525,51 +526,6 @@ def episode_metrics(samples: list) -> dict:
         out["env/tool_latency_p50_s"] = latency[len(latency) // 2]
         out["env/tool_latency_p99_s"] = latency[min(len(latency) - 1, int(0.99 * len(latency)))]
     return out
-
-
-def slow_bf16_warning(cfg: FleetConfig, cpuinfo: str | None = None) -> str | None:
-    """A warning when bfloat16 is configured on a CPU without native bf16 (no AVX512_BF16 or AMX): there bf16
-    matrix products are emulated (measured 50x slower than fp32 on an AVX2-only AMD EPYC). None otherwise, or on
-    a GPU machine."""
-    bf16 = [k for k, v in (("rollout.dtype", cfg.engine_dtype), ("learner.mixed_precision",
-                                                                  cfg.learner.mixed_precision),
-                           ("model.dtype", cfg.model.dtype)) if v == "bfloat16"]
-    if not bf16 or torch.cuda.is_available():
-        return None
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return None
-    flags = set(next((line.split(":", 1)[1] for line in cpuinfo.splitlines() if line.startswith("flags")),
-                     "").split())
-    if flags & {"avx512_bf16", "amx_bf16"}:
-        return None
-    return (f"{', '.join(bf16)} = bfloat16 on a CPU without native bf16 (no avx512_bf16 or amx_bf16 in "
-            "/proc/cpuinfo): bf16 matrix products are emulated here and much slower than float32; consider "
-            f"{' '.join(f'{k}=float32' if k != 'learner.mixed_precision' else f'{k}=null' for k in bf16)}")
-
-
-def process_separator(cfg: FleetConfig) -> str:
-    """The step separator of process rewards: ``algorithm.step_separator`` (grpo_process) when set, else
-    :func:`step_separator`."""
-    own = getattr(cfg.algorithm, "step_separator", None)
-    return own if own is not None else step_separator(cfg)
-
-
-def step_separator(cfg: FleetConfig) -> str:
-    """``data.step_separator``, else the built-in task's (``chain`` compact: ``;``), else a newline."""
-    if cfg.data.step_separator:
-        return cfg.data.step_separator
-    return "\n" if cfg.data.path else make_task_from_config(cfg.data).step_separator
-
-
-def _step_ends(token_texts: list[str], separator: str) -> list[int]:
-    """Token indices that end a step: tokens containing ``separator`` (every token when it is ""), and the last."""
-    ends = [i for i, t in enumerate(token_texts) if separator == "" or separator in t]
-    if token_texts and (not ends or ends[-1] != len(token_texts) - 1):
-        ends.append(len(token_texts) - 1)
-    return ends
 
 
 def samples_to_batch(samples: list, pad_id: int, mask_truncated: bool = False) -> TrainBatch:

@@ -254,7 +254,7 @@ def test_overrides_may_follow_options():
 
 
 def test_slow_bf16_warning_names_the_keys():
-    from orchestrator.trainer import slow_bf16_warning
+    from orchestrator.console import slow_bf16_warning
 
     cfg = load_config(None, ["rollout.dtype=bfloat16", "learner.mixed_precision=bfloat16"])
     avx2 = "processor : 0\nflags : fpu sse avx2\n"

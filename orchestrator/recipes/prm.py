@@ -31,7 +31,8 @@ from orchestrator.config import ConfigError, FleetConfig
 from orchestrator.metrics import PhaseTimer
 from orchestrator.recipes.data import Example, draw, examples_batch, read_jsonl
 from orchestrator.search.methods import mc_labels
-from orchestrator.trainer import Trainer, learner_metrics, step_separator
+from orchestrator.steps import step_ends, step_separator
+from orchestrator.trainer import Trainer, learner_metrics
 from rewards.datasets import DatasetError
 from rewards.prm import encode, tag_id, write_meta
 
@@ -44,9 +45,7 @@ LABEL_SEED = 7_000_000
 def token_steps(tokenizer, completion_ids: list[int], separator: str) -> list[tuple[list[int], str]]:
     """The engine's tokens cut into steps: ``(step token ids, step text)``, a step ending at each token whose text
     holds the separator (and at the last token); steps that are only special tokens are dropped."""
-    from orchestrator.trainer import _step_ends
-
-    ends = _step_ends([tokenizer.decode([t]) for t in completion_ids], separator)
+    ends = step_ends([tokenizer.decode([t]) for t in completion_ids], separator)
     out, start = [], 0
     for e in ends:
         ids = completion_ids[start: e + 1]

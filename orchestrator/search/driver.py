@@ -285,7 +285,8 @@ def run_search(cfg: FleetConfig, checkpoint: str | None, methods: list[str], bud
     ``out`` (default ``<run.dir>/search``) and returns the report."""
     from orchestrator.evaluate import resolve_model_dir
     from orchestrator.pools import PRMPool, RolloutPool
-    from orchestrator.trainer import _load_tokenizer, init_ray, make_task, max_model_len, step_separator
+    from orchestrator.steps import step_separator
+    from orchestrator.trainer import _load_tokenizer, init_ray, make_task, max_model_len
 
     cfg = cfg.model_copy(deep=True)
     if checkpoint:
