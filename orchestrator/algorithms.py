@@ -41,6 +41,9 @@ class LossConfig(Section):
     uses_step_rewards: ClassVar[bool] = False
     objective: ClassVar[str] = "policy"
     """The registered learner loss (`learner.losses.LOSSES`) this algorithm trains with."""
+    sampling_temperature_logprobs: ClassVar[bool] = True
+    """The learner's logprobs divide the logits by `rollout.temperature` (the ratio to the sampling policy needs
+    them); the objectives below (SFT, DPO, PRM) score the model itself, at temperature 1."""
 
     def needs_reference(self) -> bool:
         """Whether a loss or reward term reads the frozen reference policy's logprobs."""
@@ -156,6 +159,7 @@ class ObjectiveConfig(Section):
     uses_step_rewards: ClassVar[bool] = False
     mask_truncated: ClassVar[bool] = False
     tis_cap: ClassVar[float | None] = None
+    sampling_temperature_logprobs: ClassVar[bool] = False
 
 
 class SFTConfig(ObjectiveConfig):

@@ -360,7 +360,7 @@ class LearnerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
                 runtime_env={"env_vars": log_env(cfg)},
             ).remote(r, self.world, master_addr, port, cfg.model.path, cfg.model.dtype, dsc, loss_kwargs,
-                     cfg.rollout.temperature, cfg.trainer.seed, cfg.trainer.torch_threads, lc.gradient_checkpointing,
+                     learner_temperature(cfg), cfg.trainer.seed, cfg.trainer.torch_threads, lc.gradient_checkpointing,
                      role, cfg.uses_reference, lc.mixed_precision, learner_layout(cfg))
             for r in range(self.world)
         ]
@@ -453,6 +453,12 @@ def learner_layout(cfg: FleetConfig) -> Layout:
     lc = cfg.learner
     return Layout(packing=lc.packing, chunk_tokens=lc.logprob_chunk_tokens, micro_batch_tokens=lc.micro_batch_tokens,
                   entropy=lc.log_entropy)
+
+
+def learner_temperature(cfg: FleetConfig) -> float:
+    """The temperature the learner divides logits by: the sampling one for policy gradients (their ratio is to
+    the policy that sampled), 1 for SFT, DPO and PRM training (the model's own likelihoods)."""
+    return cfg.rollout.temperature if cfg.algorithm.sampling_temperature_logprobs else 1.0
 
 
 class LearnerDied(RuntimeError):

@@ -103,8 +103,21 @@ def test_cli_missing_model_path_is_a_clear_error(tmp_path):
     (["learner.logprob_pass=always"], True),
 ])
 def test_separate_logprob_pass_only_when_the_batch_is_used_more_than_once(overrides, separate):
+    from orchestrator.cli import ensure_model
     from orchestrator.trainer import Trainer
 
     cfg = load_config(None, ["run.dir=/tmp/fleetrl-unused", *overrides])
+    ensure_model(cfg)  # the Trainer reads the tokenizer: on a fresh checkout the embedded model is built first
     assert cfg.engine_dtype == ("bfloat16" if "rollout.dtype=bfloat16" in overrides else "float32")
     assert Trainer(cfg).separate_logprob_pass() is separate
+
+
+@pytest.mark.parametrize("algorithm, temperature", [("grpo", 0.7), ("ppo", 0.7), ("rloo", 0.7), ("sft", 1.0),
+                                                    ("dpo", 1.0), ("prm", 1.0)])
+def test_learner_temperature_is_the_sampling_one_only_for_policy_gradients(algorithm, temperature):
+    """PPO-family ratios compare against the policy that sampled at rollout.temperature; SFT, DPO and PRM losses
+    are the model's own likelihoods (an NLL at temperature 0.7 would train a sharper model than the data)."""
+    from orchestrator.pools import learner_temperature
+
+    cfg = FleetConfig.model_validate({"algorithm": {"name": algorithm}, "rollout": {"temperature": 0.7}})
+    assert learner_temperature(cfg) == temperature

@@ -188,9 +188,7 @@ def prm_config(cfg: FleetConfig) -> FleetConfig:
 
     if not cfg.prm.labels:
         raise ConfigError("prm.labels: give the JSONL written by `fleetrl prm label` (or --labels FILE)")
-    out = objective_config(cfg, {"name": "prm"})
-    out.rollout.temperature = 1.0  # the learner's logprobs are the PRM's scores: no temperature
-    return out
+    return objective_config(cfg, {"name": "prm"})  # scored at temperature 1 (pools.learner_temperature)
 
 
 class PRMTrainer(Trainer):
