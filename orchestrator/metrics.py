@@ -93,9 +93,10 @@ class MetricsLogger:
 
 
 def progress_line(m: dict) -> str:
-    ev = f" eval {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
-    if "reward/mean" not in m:  # a supervised step (SFT, offline DPO) or the final eval
-        parts = [f"{k} {m[k]:.4f}" for k in ("sft/nll", "dpo/loss", "dpo/preference_accuracy") if k in m]
+    ev = "".join(f" {name} {m[k]:.3f}" for k, name in (("eval/accuracy", "eval"), ("prm/auc", "eval auc")) if k in m)
+    if "reward/mean" not in m:  # a supervised step (SFT, offline DPO, PRM training) or the final eval
+        parts = [f"{k} {m[k]:.4f}" for k in ("sft/nll", "dpo/loss", "dpo/preference_accuracy", "prm/bce",
+                                              "prm/accuracy") if k in m]
         if not parts:
             return f"step {m['step']:>4} v{m['policy_version']}{ev} (eval only)"
         return (f"step {m['step']:>4}{ev} {' '.join(parts)} | learn {m.get('time/learn_s', 0):.2f}s"

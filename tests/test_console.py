@@ -175,3 +175,14 @@ def test_the_run_status_file_holds_the_latest_numbers_and_the_state(tmp_path):
     status.finish("finished")
     assert json.loads((tmp_path / "status.json").read_text())["state"] == "finished"
     assert not (tmp_path / "status.json.tmp").exists()
+
+
+def test_supervised_step_lines_show_their_loss_not_eval_only():
+    """SFT, DPO and PRM training steps print their own loss; only a step with no metric of its own says so."""
+    from orchestrator.metrics import progress_line
+
+    prm = progress_line({"step": 3, "policy_version": 3, "prm/bce": 0.41, "prm/accuracy": 0.8, "time/step_s": 2.0})
+    assert "prm/bce 0.4100" in prm and "prm/accuracy 0.8000" in prm and "eval only" not in prm
+    assert "eval auc 0.737" in progress_line({"step": 50, "policy_version": 50, "prm/auc": 0.737, "prm/bce": 0.4})
+    assert "sft/nll 1.2500" in progress_line({"step": 1, "policy_version": 1, "sft/nll": 1.25})
+    assert progress_line({"step": 9, "policy_version": 9, "eval/accuracy": 0.5}).endswith("eval 0.500 (eval only)")
