@@ -193,10 +193,11 @@ class RolloutPool(ActorPool):
         return [s for out in outs for s in out]
 
     def probe(self, prompts: list[Prompt], max_new_tokens: int, seed: int) -> list[Sample]:
-        """Every engine samples each prompt once with the same seed (the weight push's check)."""
-        r = self.cfg.rollout
+        """Every engine samples each prompt once with the same seed (the weight push's check), at the temperature
+        the learner scores at (:func:`learner_temperature`), so the two logprobs compare."""
+        t, top_p = learner_temperature(self.cfg), self.cfg.rollout.top_p
         part = [(p.uid, p.text, p.metadata) for p in prompts]
-        outs = self.fan_out(lambda w, part: w.generate.remote(part, 1, max_new_tokens, r.temperature, r.top_p, seed),
+        outs = self.fan_out(lambda w, part: w.generate.remote(part, 1, max_new_tokens, t, top_p, seed),
                             [part] * len(self.workers))
         return [s for out in outs for s in out]
 
