@@ -249,6 +249,8 @@ def test_recipe_stages_chain_models_and_command_line_overrides_apply_to_every_st
     assert stages[2].cfg.model.path == str(tmp_path / "run" / "02-rl" / "final")
     assert stages[1].cfg.algorithm.name == "rloo" and stages[2].cfg.algorithm.name == "dpo"
     assert stages[2].cfg.algorithm.beta == 0.2
+    assert [s.cfg.data.seed for s in stages] == [0, 1, 2]  # each stage trains on prompts of its own
+    assert [s.cfg.data.seed for s in load_recipe(recipe, ["data.seed=7"])] == [7, 8, 9]
     with pytest.raises(ConfigError, match="unknown recipe key"):
         load_recipe(_recipe(tmp_path, "stagez: []\n"), [])
 

@@ -12,9 +12,11 @@ A recipe is YAML::
 
 Each stage is ``base`` + its ``overrides`` + the command line's overrides (applied to every stage, so
 ``trainer.total_steps=2`` shrinks a whole recipe), runs in ``<run.dir>/<NN>-<name>/`` and starts from the previous
-stage's ``final/`` model (the first from ``model.path``). Every stage's config, data files and teacher are checked
-before the first stage starts. ``<run.dir>/summary.json`` records each stage (name, kind, status, held-out accuracy
-after it, seconds, model path, attempts, the checkpoint it resumed from); rerunning the same command skips finished
+stage's ``final/`` model (the first from ``model.path``) and draws its own training prompts (stage i's
+``data.seed`` is the base's plus i - 1 unless the stage sets it; the held-out set never changes). Every stage's
+config, data files and teacher are checked before the first stage starts. ``<run.dir>/summary.json`` records
+each stage (name, kind, status, held-out accuracy after it, seconds, model path, attempts, the checkpoint it
+resumed from); rerunning the same command skips finished
 stages and resumes an interrupted one from its newest complete checkpoint. Each stage runs as its own
 ``fleetrl <command>`` process (joining ``run.ray_address`` / ``RAY_ADDRESS`` when set), so a stage's actors are gone
 when it ends.
@@ -117,6 +119,8 @@ def load_recipe(path: str | Path, cli_overrides: list[str]) -> list[Stage]:
         tree.setdefault("run", {})["dir"] = str(run_dir / f"{i + 1:02d}-{name}")
         if out and not any(o.startswith("model.path=") for o in ovs):
             tree.setdefault("model", {})["path"] = str(out[-1].dir / "final")
+        if not any(o.startswith("data.seed=") for o in ovs):  # each stage its own prompts, not stage 1's again
+            tree["data"]["seed"] = root["data"]["seed"] + i
         cold = raw.get("cold_start")
         if cold is not None and (kind != "sft" or not isinstance(cold, int) or cold < 1):
             raise ConfigError(f"{where}: cold_start (rows to write) is for sft stages, a positive integer")
