@@ -16,7 +16,7 @@ from torch import Tensor
 
 from learner.advantages import AdvantageInputs, conditioned_rewards, get_estimator
 from learner.losses import kl_estimate
-from learner.registry import Registry
+from workers.registry import Registry
 
 ALGORITHMS = Registry("algorithm")
 """``algorithm.name`` -> its advantage assembly."""

@@ -12,7 +12,7 @@ import importlib
 import re
 from collections.abc import Callable
 
-from learner.registry import Registry
+from workers.registry import Registry
 
 RewardFn = Callable[[str, str, dict], "float | dict[str, float]"]
 REWARD_FUNCTIONS = Registry("reward function")
