@@ -264,7 +264,7 @@ class ThreeTurns(Environment):
 
 
 def test_a_group_with_an_errored_episode_gets_zero_loss_and_the_metrics_count_it():
-    from orchestrator.trainer import drop_errored_groups, episode_metrics
+    from orchestrator.episodes import drop_errored_groups, episode_metrics
     from workers.records import EpisodeStats, Sample, ScoredSample
 
     def sample(errored: bool, calls: int, termination: str) -> ScoredSample:

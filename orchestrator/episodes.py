@@ -1,0 +1,42 @@
+"""The step's view of multi-turn episodes: dropping the groups an environment failed in, and the ``env/*``
+metrics. Pure Python over the samples the rollout actors returned."""
+
+from __future__ import annotations
+
+from workers.envs.episode import LIMITED
+from workers.records import ScoredSample
+
+
+def drop_errored_groups(groups: list[list[ScoredSample]]) -> int:
+    """Groups holding an errored episode (the environment raised, or the episode timed out) get zero loss: their
+    advantages never reach the gradient and their rewards never another group's baseline (baselines are per
+    group). Returns how many groups were dropped."""
+    dropped = 0
+    for group in groups:
+        if any(x.sample.episode is not None and x.sample.episode.errored for x in group):
+            dropped += 1
+            for x in group:
+                x.sample.loss_mask = [0] * len(x.sample.completion_ids)
+    return dropped
+
+
+def episode_metrics(samples: list) -> dict:
+    """Per-step numbers of multi-turn episodes (``env/*``)."""
+    eps = [s.episode for s in samples]
+    n, calls, turns = len(eps), sum(e.tool_calls for e in eps), sum(e.turns for e in eps)
+    latency = sorted(t for e in eps for t in e.tool_seconds)
+    completion = sum(len(s.completion_ids) for s in samples)
+    out = {"env/tool_call_rate": sum(e.tool_calls > 0 for e in eps) / n,
+           "env/tool_calls_mean": calls / n, "env/tool_error_rate": sum(e.tool_errors for e in eps) / max(calls, 1),
+           "env/turns_mean": turns / n,
+           "env/tokens_mean": sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples) / n,
+           "env/observation_token_frac": sum(e.observation_tokens for e in eps) / max(completion, 1),
+           "env/truncated_frac": sum(e.termination in LIMITED for e in eps) / n,
+           "env/errored_frac": sum(e.errored for e in eps) / n,
+           "env/leak_rate": sum(e.leaked_turns for e in eps) / max(turns, 1)}
+    for reason in sorted({e.termination for e in eps}):
+        out[f"env/termination/{reason}"] = sum(e.termination == reason for e in eps) / n
+    if latency:
+        out["env/tool_latency_p50_s"] = latency[len(latency) // 2]
+        out["env/tool_latency_p99_s"] = latency[min(len(latency) - 1, int(0.99 * len(latency)))]
+    return out
