@@ -85,6 +85,10 @@ class DataConfig(Section):
     """Datasets (`path`): a registered reward function name or `pkg.module:fn` used to decide correctness for
     accuracy metrics (`eval/accuracy`, `train/accuracy`, `fleetrl eval`); a completion is correct when it scores
     >= 1.0 (a dict: every component). Built-in tasks name their own (`countdown`: `countdown`, else `math`)."""
+    answer_form: Literal["auto", "number", "expression"] = "auto"
+    """Datasets (`path`): the form of a final answer (the `math` verifier, docs/rewards_and_tasks.md, "The final
+    answer"): `number` needs one numeral (`159`, `3/4`, `0.75`; an unevaluated `64 + 95` is wrong), `expression`
+    compares by math-verify's equivalence, `auto` picks `number` for a numeric reference and `expression` else."""
     prompts_per_step: int = Field(16, ge=1, le=4096)
     """Distinct prompts per training step; each gets `rollout.group_size` samples."""
     eval_size: int = Field(400, ge=1, le=100000)
@@ -312,6 +316,9 @@ class TrainerConfig(Section):
     """Run a held-out eval every this many steps (and at step 0 and the last step); 0 disables evals."""
     seed: int = 0
     """Seed of the learner (torch) and driver RNGs."""
+    show_samples: int = Field(2, ge=0, le=100)
+    """Eval completions shown with their verdict (about half wrong, half right) on the console and as text in
+    TensorBoard / W&B / MLflow at every eval; every eval's completions are in `<run.dir>/evals/step_N.jsonl`."""
     torch_threads: int = Field(1, ge=1)
     """torch intra-op threads per actor (keep small: actors share the machine's cores)."""
 
@@ -340,8 +347,8 @@ class RunConfig(Section):
     """`offline`: W&B writes the run under `<run.dir>/wandb/` and needs no network (`wandb sync` uploads it
     later); `online` streams to the W&B server (needs a login)."""
     mlflow_tracking_uri: str | None = None
-    """MLflow tracking URI; None: a local SQLite store, `sqlite:///<run.dir>/mlflow.db`
-    (`mlflow ui --backend-store-uri sqlite:///<run.dir>/mlflow.db`)."""
+    """MLflow tracking URI; None: `MLFLOW_TRACKING_URI` when set (a team's server), else a local SQLite store,
+    `sqlite:///<run.dir>/mlflow.db` (`mlflow ui --backend-store-uri sqlite:///<run.dir>/mlflow.db`)."""
     mlflow_experiment: str = "fleetrl"
     """MLflow experiment the run is logged under."""
 

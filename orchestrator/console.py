@@ -161,6 +161,15 @@ def eval_line(m: dict) -> str:
     return f"eval  step {m['step']:>4}  accuracy {m['eval/accuracy']:.3f}{extra}"
 
 
+def sample_line(step: int, record: dict) -> str:
+    """One eval completion and its verdict (``trainer.show_samples``), on one line."""
+    text = record["completion"].replace("\n", "\\n")
+    text = text if len(text) <= 100 else text[:100] + "..."
+    prompt = record["prompt"].replace("\n", " ")[-60:]
+    return (f"eval  step {step:>4}  {'right' if record['correct'] else 'wrong'} (answer {record['answer']}): "
+            f"...{prompt!r} -> {text!r}")
+
+
 def _postfix(m: dict) -> str:
     return (f"reward {m.get('reward/mean', float('nan')):.3f} acc {m.get('train/accuracy', float('nan')):.3f}"
             f" {m.get('time/step_s', float('nan')):.2f}s/step")

@@ -63,6 +63,14 @@ class MetricsLogger:
         if clean["step"] % self.plot_every == 0:
             self.plot()
 
+    def log_samples(self, records: list[dict], step: int) -> None:
+        """A few eval completions with their verdicts (:mod:`orchestrator.samples`) as text in the trackers that
+        show text."""
+        if records:
+            for tracker in self.trackers:
+                if hasattr(tracker, "log_text"):
+                    tracker.log_text("eval/samples", records, step)
+
     def plot(self) -> Path:
         import matplotlib
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -32,6 +33,12 @@ class TensorBoardTracker:
             self.writer.add_scalar(k, v, step)
         self.writer.flush()
 
+    def log_text(self, tag: str, records: list[dict], step: int) -> None:
+        from orchestrator.samples import as_text
+
+        self.writer.add_text(tag, as_text(records), step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -52,13 +59,22 @@ class WandbTracker:
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
 
+    def log_text(self, tag: str, records: list[dict], step: int) -> None:
+        import wandb
+
+        columns = ["prompt", "completion", "answer", "correct"]
+        self.run.log({tag: wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in records])},
+                     step=step)
+
     def close(self) -> None:
         self.run.finish()
 
 
 class MlflowTracker:
-    """``run.mlflow_tracking_uri`` (default: SQLite at ``<run.dir>/mlflow.db``), experiment
-    ``run.mlflow_experiment``, run name = the run dir's name; params are the flattened resolved config."""
+    """The tracking URI is ``run.mlflow_tracking_uri``, else MLflow's own ``MLFLOW_TRACKING_URI``, else SQLite at
+    ``<run.dir>/mlflow.db``; the experiment is ``MLFLOW_EXPERIMENT_NAME`` when set and ``run.mlflow_experiment``
+    is left at its default, else ``run.mlflow_experiment``; run name = the run dir's name; params are the
+    flattened resolved config."""
 
     def __init__(self, run_dir: Path, params: dict, ids: dict):
         import logging
@@ -69,12 +85,15 @@ class MlflowTracker:
         mlflow_log.handlers.clear()
         mlflow_log.propagate = True
         run_cfg = params["run"]
-        self.uri = run_cfg["mlflow_tracking_uri"] or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+        self.uri = (run_cfg["mlflow_tracking_uri"] or os.environ.get("MLFLOW_TRACKING_URI")
+                    or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
         self.client = MlflowClient(self.uri)
         if ids.get("mlflow"):
             self.run_id = ids["mlflow"]
             return
         name = run_cfg["mlflow_experiment"]
+        if name == "fleetrl" and os.environ.get("MLFLOW_EXPERIMENT_NAME"):
+            name = os.environ["MLFLOW_EXPERIMENT_NAME"]
         exp = self.client.get_experiment_by_name(name)
         exp_id = exp.experiment_id if exp else self.client.create_experiment(name)
         self.run_id = ids["mlflow"] = self.client.create_run(exp_id, run_name=run_dir.name).info.run_id
@@ -93,6 +112,11 @@ class MlflowTracker:
         items = [Metric(k, v, now, step) for k, v in metrics.items()]
         for i in range(0, len(items), 1000):
             self.client.log_batch(self.run_id, metrics=items[i:i + 1000])
+
+    def log_text(self, tag: str, records: list[dict], step: int) -> None:
+        from orchestrator.samples import as_text
+
+        self.client.log_text(self.run_id, as_text(records), f"{tag}/step_{step:06d}.md")
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

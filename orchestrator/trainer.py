@@ -22,12 +22,13 @@ from learner.algorithms import advantage_inputs, assemble_advantages
 from learner.batch import TrainBatch, build_batch
 from orchestrator import checkpoint as ckpt
 from orchestrator.config import FleetConfig, dump_config
-from orchestrator.console import Console, banner, slow_bf16_warning
+from orchestrator.console import Console, banner, sample_line, slow_bf16_warning
 from orchestrator.controller import start_controller
 from orchestrator.episodes import drop_errored_groups, episode_metrics
 from orchestrator.metrics import MetricsLogger, PhaseTimer
 from orchestrator.pools import EnvPool, LearnerDied, LearnerGroup, PRMPool, RewardPool, RolloutPool, gather_metrics
 from orchestrator.run_status import RunStatus
+from orchestrator.samples import eval_records, restate_frac, shown, write_eval_samples
 from orchestrator.steps import process_separator, step_ends
 from orchestrator.weight_sync import make_weight_sync
 from rewards.functions import is_correct
@@ -155,7 +156,7 @@ class Trainer:
                     or (budget is not None and time.perf_counter() - t0 > budget))
             metrics = {"step": step, "policy_version": self.version}
             if self._is_eval_step(step) or (last and self.cfg.trainer.eval_every):
-                metrics.update(self.evaluate())
+                metrics.update(self.evaluate(step))
             if not last:
                 metrics.update(self.train_step(step))
                 bad_steps = self._count_bad_step(metrics, bad_steps)
@@ -435,12 +436,20 @@ class Trainer:
         self.version += 1
         return self.weight_sync.push(self.version)
 
-    def evaluate(self) -> dict:
-        """Greedy held-out accuracy through the rollout engines."""
+    def evaluate(self, step: int) -> dict:
+        """Greedy held-out accuracy through the rollout engines; the completions and their verdicts go to
+        ``<run.dir>/evals/step_<step>.jsonl``, ``trainer.show_samples`` of them to the console and the trackers."""
         t0 = time.perf_counter()
         samples = self.rollouts.generate(self.eval_prompts, 1, temperature=0.0, seed=None)
         correct = self.correct(samples)
-        out = {"eval/accuracy": sum(correct) / len(correct), "time/eval_s": time.perf_counter() - t0}
+        records = eval_records(samples, correct)
+        write_eval_samples(self.run_dir, step, records)
+        examples = shown(records, self.cfg.trainer.show_samples)
+        self.metrics.log_samples(examples, step)
+        for r in examples:
+            self.console.print(sample_line(step, r))
+        out = {"eval/accuracy": sum(correct) / len(correct), "eval/restate_frac": restate_frac(samples),
+               "time/eval_s": time.perf_counter() - t0}
         if self.cfg.env.name:
             out["eval/tool_call_rate"] = sum(s.episode.tool_calls > 0 for s in samples) / len(samples)
         return out
@@ -469,6 +478,7 @@ class Trainer:
         return {**components, **(episode_metrics([x.sample for x in scored]) if self.cfg.env.name else {}),
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
             "reward/errors": reward_errors, "train/accuracy": sum(correct) / len(correct),
+            "train/restate_frac": restate_frac([x.sample for x in scored]),
             "tokens_generated": int(lengths.sum()), "response/length_mean": lengths.mean().item(),
             "response/truncated_frac": sum(x.sample.finish_reason == "length" for x in scored) / len(scored),
             # |learner - engine| logprob of the batch's tokens: rounding for samples of the current version, plus
@@ -553,7 +563,8 @@ def make_task(cfg: FleetConfig):
 
     renderer = PromptRenderer(_load_tokenizer(cfg.model.path), d.prompt_format, d.system_prompt)
     task = DatasetTask(d.path, d.prompt_field, d.answer_field, d.skip_invalid, d.eval_size, d.seed, d.eval_path,
-                       too_long=lambda p: len(renderer.render(p)[1]) > d.max_prompt_tokens, verifier=d.verifier)
+                       too_long=lambda p: len(renderer.render(p)[1]) > d.max_prompt_tokens, verifier=d.verifier,
+                       answer_form=d.answer_form)
     log.info("dataset %s: %d train / %d eval rows; skipped %s", d.path, len(task.train_rows), len(task.eval_rows),
              task.counts)
     return task

@@ -7,7 +7,9 @@ in ``#### n``) is understood: the reference answer is ``n``. A malformed row fai
 ``data.skip_invalid``, is skipped and counted; a Parquet file lacking a mapped column fails whatever
 ``skip_invalid`` says. Prompts longer than ``data.max_prompt_tokens`` are filtered and counted. The eval split is
 ``data.eval_path`` when given, else the last ``data.eval_size`` rows, which are then never trained on.
-``data.verifier`` names the reward function that decides correctness for accuracy metrics (default ``math``).
+``data.verifier`` names the reward function that decides correctness for accuracy metrics (default ``math``);
+``data.answer_form`` (``auto | number | expression``) tells it what form a final answer takes
+(:mod:`rewards.answers`); ``number`` checks every reference answer is a numeral at load.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ class DatasetError(ValueError):
 
 
 def read_rows(path: Path, prompt_field: str, answer_field: str, skip_invalid: bool,
-              too_long: Callable[[str], bool]) -> tuple[list[tuple[str, str]], dict]:
-    """(prompt, answer) pairs and counts of skipped rows."""
+              too_long: Callable[[str], bool], answer_form: str = "auto") -> tuple[list[tuple[str, str]], dict]:
+    """(prompt, answer) pairs and counts of skipped rows (``answer_form: number``: every answer is a numeral)."""
     if not path.is_file():
         raise DatasetError(f"data.path: {path} is not a file")
     if path.suffix == ".parquet":
@@ -38,6 +40,7 @@ def read_rows(path: Path, prompt_field: str, answer_field: str, skip_invalid: bo
     for where, record in records:
         try:
             prompt, answer = _parse_row(decode(record), prompt_field, answer_field)
+            _check_form(answer, answer_form, answer_field)
         except DatasetError as e:
             if not skip_invalid:
                 raise DatasetError(f"{where}: {e} (set data.skip_invalid=true to skip such rows)") from None
@@ -107,6 +110,14 @@ def _parse_row(row: dict, prompt_field: str, answer_field: str) -> tuple[str | l
     return prompt, gsm8k_answer(str(answer))
 
 
+def _check_form(answer: str, form: str, field: str) -> None:
+    from rewards.answers import parse_number
+
+    if form == "number" and parse_number(answer) is None:
+        raise DatasetError(f"field {field!r}: data.answer_form=number needs a numeral (159, -3.5, 3/4), got "
+                           f"{answer[:40]!r}")
+
+
 def _check_messages(messages: list, field: str) -> None:
     """A chat prompt: a non-empty list of ``{"role": system|user|assistant|tool, "content": str}``."""
     roles = ("system", "user", "assistant", "tool")
@@ -135,11 +146,13 @@ class DatasetTask(Task):
 
     def __init__(self, path: str, prompt_field: str, answer_field: str, skip_invalid: bool, eval_size: int,
                  seed: int, eval_path: str | None = None, too_long: Callable[[str], bool] = lambda p: False,
-                 verifier: str = "math"):
+                 verifier: str = "math", answer_form: str = "auto"):
         self.verifier, self.verifier_fn = verifier, load_reward_function(verifier)  # a bad name fails before reading
-        rows, self.counts = read_rows(Path(path), prompt_field, answer_field, skip_invalid, too_long)
+        self.answer_form = answer_form
+        rows, self.counts = read_rows(Path(path), prompt_field, answer_field, skip_invalid, too_long, answer_form)
         if eval_path:
-            self.eval_rows, _ = read_rows(Path(eval_path), prompt_field, answer_field, skip_invalid, too_long)
+            self.eval_rows, _ = read_rows(Path(eval_path), prompt_field, answer_field, skip_invalid, too_long,
+                                          answer_form)
             self.train_rows = rows
         else:
             if len(rows) <= eval_size:
@@ -148,9 +161,9 @@ class DatasetTask(Task):
             self.train_rows, self.eval_rows = rows[:-eval_size], rows[-eval_size:]
         self.seed = seed
 
-    @staticmethod
-    def _prompt(uid: str, row: tuple[str, str]) -> Prompt:
-        return Prompt(uid=uid, text=row[0], metadata={"answer": row[1]})
+    def _prompt(self, uid: str, row: tuple[str, str]) -> Prompt:
+        form = {} if self.answer_form == "auto" else {"answer_form": self.answer_form}
+        return Prompt(uid=uid, text=row[0], metadata={"answer": row[1], **form})
 
     def draw_train(self, rng: random.Random, n: int) -> list[tuple[str, dict]]:
         idx = rng.sample(range(len(self.train_rows)), n) if n <= len(self.train_rows) else \

@@ -7,116 +7,37 @@ import path ``package.module:function``.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import re
 from collections.abc import Callable
 
+from rewards.answers import MAX_COMPLETION_CHARS, answer_regions, final_text, matches
 from workers.registry import Registry
 
 RewardFn = Callable[[str, str, dict], "float | dict[str, float]"]
 REWARD_FUNCTIONS = Registry("reward function")
 register_reward = REWARD_FUNCTIONS.register
 
-_PLAIN_INT = re.compile(r"-?[0-9]{1,1000}")  # bounded: int() refuses strings of over 4300 digits
-
-
-def parse_answer(text: str) -> list:
-    r"""The final answer of a completion as math-verify extracts it: ``[value, matched text]`` (a sympy value),
-    ``[]`` when there is none. LaTeX (``\boxed{}`` first, ``$\frac{6}{8}$``) and plain expressions and numbers
-    (``The answer is 42.``) are understood. A GSM8K ending (the text after the last ``####`` is one line) names
-    the answer explicitly, so that line is parsed alone (math-verify has no rule for ``####``: on the whole text
-    it would prefer an earlier ``\boxed{}``, or the last number of ``#### 8 (3 + 5)``); when that finds nothing
-    the whole text is parsed.
-
-    Parsing runs without math-verify's signal-based timeout (``parsing_timeout=None``): reward functions run in
-    non-main threads of Ray actors, where ``signal.alarm`` fails; the reward worker's own timeout bounds a call.
-    """
-    from math_verify import parse
-
-    ending = text.rpartition("####")[2].strip() if "####" in text else ""
-    if ending and "\n" not in ending:
-        parsed = parse(ending, extraction_config=_extraction_config(), parsing_timeout=None)
-        if parsed:
-            return parsed
-    return parse(text, extraction_config=_extraction_config(), parsing_timeout=None)
-
-
-@functools.cache
-def _extraction_config() -> tuple:
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig
-
-    return (LatexExtractionConfig(), ExprExtractionConfig())
-
-
-def extract_answer(text: str) -> str | None:
-    """The text of the final answer :func:`parse_answer` finds (e.g. ``\\frac{6}{8}``, ``42``); None when none."""
-    parsed = parse_answer(text)
-    return parsed[-1] if parsed else None
-
-
-@functools.lru_cache(maxsize=4096)
-def _parse_reference(reference: str) -> list:
-    """A reference answer parsed as one LaTeX math expression (cached: a prompt's G samples share it)."""
-    from math_verify import parse
-
-    return parse(f"${reference}$", parsing_timeout=None)
-
-
-def _verify(gold: list, pred: list) -> bool:
-    from math_verify import verify
-
-    return bool(gold and pred and verify(gold, pred, timeout_seconds=None))
-
-
-def answers_equal(given: str, reference: str) -> bool:
-    """Mathematical equivalence through math-verify (so 1/2, 0.5 and \\frac{1}{2} agree)."""
-    if given.strip() == reference.strip():
-        return True
-    a, b = _plain_number(given), _plain_number(reference)
-    if a is not None and b is not None:  # fast path: two plain decimals
-        return a == b
-    return _verify(_parse_reference(reference), _parse_reference(given))
-
-
-def _plain_number(s: str):
-    from decimal import Decimal, InvalidOperation
-
-    s = s.strip()
-    if not re.fullmatch(r"-?\d+(\.\d+)?", s):
-        return None
-    try:
-        return Decimal(s)
-    except InvalidOperation:
-        return None
-
-
 @register_reward("math")
 def math_reward(prompt: str, completion: str, metadata: dict) -> float:
-    """1.0 when the completion's final answer (:func:`parse_answer`) equals ``metadata["answer"]``
-    mathematically (math-verify's ``verify``), else 0.0. A completion and a reference that are both plain
-    integers (``57``, the embedded model's answers) are compared as integers, which is what math-verify
-    concludes for them too, only without parsing. A reasoning completion (``<think>...</think> answer``,
-    DeepSeek-R1) is graded on what follows its last ``</think>``: the steps are not the answer."""
-    given, reference = final_part(completion), str(metadata["answer"]).strip()
-    completion = given
-    if _PLAIN_INT.fullmatch(given) and _PLAIN_INT.fullmatch(reference):
-        return float(int(given) == int(reference))
-    return float(_verify(_parse_reference(reference), parse_answer(completion)))
-
-
-def final_part(completion: str) -> str:
-    """What follows the completion's last ``</think>`` (the whole completion when it has none), stripped."""
-    return completion.rpartition("</think>")[2].strip()
+    """1.0 when the completion's one final answer is ``metadata["answer"]``, else 0.0: the final-answer rule of
+    :mod:`rewards.answers` (a numeric reference needs a numeral, so ``64 + 95`` is not 159; a symbolic one is
+    compared by math-verify's equivalence; reasoning in ``<think>`` is not the answer; candidate lists and
+    disagreeing boxes are wrong). ``metadata["answer_form"]`` (``data.answer_form``) forces ``number`` or
+    ``expression``."""
+    return float(matches(completion, str(metadata["answer"]), metadata.get("answer_form", "auto"), prompt))
 
 
 @register_reward("format")
 def format_reward(prompt: str, completion: str, metadata: dict) -> float:
-    """1.0 when the completion is ``<think>...</think>`` followed by a non-empty answer (DeepSeek-R1), else 0.0."""
-    return float(bool(_THINK_FORMAT.fullmatch(completion.strip())))
+    """1.0 when the completion is one ``<think>...</think>`` block with some reasoning in it, followed by a
+    non-empty answer without think tags (DeepSeek-R1), else 0.0."""
+    text = completion.strip()
+    return float(len(text) <= MAX_COMPLETION_CHARS and bool(_THINK_FORMAT.fullmatch(text))
+                 and text.count("<think>") == 1 and text.count("</think>") == 1)
 
 
-_THINK_FORMAT = re.compile(r"<think>.+?</think>\s*\S.*", re.S)
+_THINK_FORMAT = re.compile(r"<think>\s*\S.*?</think>\s*\S.*", re.S)
 
 
 @register_reward("length")
@@ -129,14 +50,23 @@ def length_reward(prompt: str, completion: str, metadata: dict, max_len: int = 5
     return max(-1.0, (max_len - cache - n) / max(cache, 1))
 
 
-_CHOICE = re.compile(r"\b([A-J])\b")
+_CHOICE = re.compile(r"(?<![A-Za-z'])([A-J])(?![A-Za-z'])")
+_WORD_LETTER = re.compile(r"(?<![A-Za-z'])([AI])(?=\s+[a-z]|')")  # "A good ...", "I think", "I'm": words
 
 
 @register_reward("choice")
 def choice_reward(prompt: str, completion: str, metadata: dict) -> float:
-    """Multiple choice: 1.0 when the last standalone capital letter A-J of the completion is the answer letter."""
-    letters = _CHOICE.findall(completion)
-    return float(bool(letters) and letters[-1] == str(metadata["answer"]).strip().upper())
+    """Multiple choice: 1.0 when the completion's stated answer (:func:`rewards.answers.answer_regions`: after
+    "answer is", in a box or ``<answer>`` tag, else the last line) names exactly one option letter A-J and it is
+    the answer letter; several letters (``A, B or C``) are no answer."""
+    regions = answer_regions(completion)
+    if not regions:
+        return 0.0
+    region = regions[-1] if len(regions) == 1 else " ".join(regions)
+    if region == final_text(completion):
+        region = region.strip().splitlines()[-1]
+    letters = set(_CHOICE.findall(_WORD_LETTER.sub(" ", region)))
+    return float(letters == {str(metadata["answer"]).strip().upper()})
 
 
 def is_correct(verifier: RewardFn, prompt: str, completion: str, metadata: dict) -> bool:

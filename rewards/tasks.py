@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import ClassVar, Literal, get_args
 
-from rewards.functions import RewardFn, final_part, load_reward_function, register_reward
+from rewards.answers import final_number, final_text, vote_key
+from rewards.functions import RewardFn, load_reward_function, register_reward
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,19 @@ class Task:
 
     verifier: str
     seed: int
+    answer_form: str = "number"
+    """The form of the task's reference answers (:mod:`rewards.answers`): the built-in tasks' are numbers."""
     step_separator: str = "\n"
     """The text that ends a step of a solution (process rewards, PRMs, step-level search)."""
 
     @functools.cached_property
     def verifier_fn(self) -> RewardFn:
         return load_reward_function(self.verifier)
+
+    def answer_key(self, completion: str) -> str | None:
+        """The completion's final answer as a canonical string, for voting (self-consistency): equal answers
+        share a key; None when it states none. The final-answer rule of :mod:`rewards.answers`."""
+        return vote_key(completion, self.answer_form)
 
     def train_batch(self, step: int, n: int, round_: int = 0) -> list[Prompt]:
         """The ``n`` training prompts of ``step`` (extra sampling rounds draw fresh ones), uids
@@ -260,11 +268,17 @@ _MAX_EXPRESSION_CHARS = 200
 
 
 def countdown_expression(completion: str) -> str | None:
-    """The expression a completion answers with: the last ``<answer>...</answer>`` content if any, else the
-    whole completion; a trailing ``= <number>`` is dropped, then the last run of ``0-9 + - * / ( )`` and spaces
-    that holds a digit is taken."""
-    tags = _ANSWER_TAG.findall(completion)
-    text = _TRAILING_RESULT.sub("", (tags[-1] if tags else completion).strip())
+    """The expression a completion answers with, read after any ``</think>`` (an unclosed ``<think>`` answers
+    nothing): the ``<answer>...</answer>`` content if any (several tags must hold the same expression), else the
+    whole text; a trailing ``= <number>`` is dropped, then the last run of ``0-9 + - * / ( )`` and spaces that
+    holds a digit is taken."""
+    text = final_text(completion)
+    if not text:
+        return None
+    tags = {re.sub(r"\s+", "", t) for t in _ANSWER_TAG.findall(text)}
+    if len(tags) > 1:
+        return None
+    text = _TRAILING_RESULT.sub("", (_ANSWER_TAG.findall(text)[-1] if tags else text).strip())
     runs = _EXPRESSION_RUN.findall(text)
     return runs[-1].strip() if runs else None
 
@@ -425,6 +439,11 @@ class ChainTask(GeneratedTask):
             "on its own line and nothing else; the last line is the answer.")
         return expr, text, {"answer": steps[-1], "terms": terms, "steps": steps}
 
+    def answer_key(self, completion: str) -> str | None:
+        """The last step's number (a chain solution's answer)."""
+        answer = chain_answer(completion)
+        return answer.key if answer else None
+
     def solution(self, metadata: dict) -> str:
         """The reference completion: the steps joined by the separator."""
         return self.step_separator.join(metadata["steps"])
@@ -439,13 +458,26 @@ class ChainTask(GeneratedTask):
 
 
 _LAST_INT = re.compile(r"-?\d+")
+_STEP_SPLIT = re.compile(r"[;\n]")
 
 
 @register_reward("chain")
 def chain_reward(prompt: str, completion: str, metadata: dict) -> float:
-    """1.0 when the completion's last number (its last step) is ``metadata["answer"]``, else 0.0."""
-    numbers = _LAST_INT.findall(final_part(completion))
-    return float(bool(numbers) and int(numbers[-1]) == int(metadata["answer"]))
+    """1.0 when the completion's last step states one number (:func:`rewards.answers.final_number`: ``70`` or
+    ``49+21=70``) and it is ``metadata["answer"]``, and the completion has no more steps (segments holding a
+    digit, split at ``;`` or a newline) than the solution (``metadata["steps"]``); else 0.0. A spammed count
+    (``0;1;2;...``) has too many steps; reasoning in ``<think>`` is not the answer."""
+    answer = chain_answer(completion, len(metadata.get("steps", ())) or None)
+    return float(answer is not None and answer.value == int(metadata["answer"]))
+
+
+def chain_answer(completion: str, max_steps: int | None = None):
+    """The number a chain solution ends with (its last step), or None (see :func:`chain_reward`)."""
+    text = final_text(completion)
+    steps = [s for s in _STEP_SPLIT.split(text or "") if re.search(r"[0-9]", s)]
+    if not steps or (max_steps is not None and len(steps) > max_steps):
+        return None
+    return final_number(steps[-1])
 
 
 def step_truth(steps: list[str], metadata: dict) -> list[bool]:

@@ -12,7 +12,7 @@ from learner.algorithms import step_token_rewards
 from learner.losses import LossScale, prm_loss
 from orchestrator.config import ConfigError, load_config
 from orchestrator.recipes.prm import held_out, load_labels, prm_batch, prm_example, step_targets
-from orchestrator.search.driver import Searcher, final_answer, parse_methods
+from orchestrator.search.driver import Searcher, parse_methods
 from orchestrator.search.methods import (
     Node,
     backup,
@@ -26,7 +26,7 @@ from orchestrator.search.methods import (
 )
 from rewards.datasets import DatasetError
 from rewards.prm import aggregate, encode, split_steps, tagged_steps
-from rewards.tasks import ChainTask, Prompt, chain_reward, step_truth
+from rewards.tasks import ArithmeticTask, ChainTask, Prompt, chain_reward, step_truth
 
 
 # ---- Monte-Carlo labels -------------------------------------------------------------------------------------------
@@ -211,10 +211,11 @@ def test_prm_beam_keeps_top_k_by_prm_score():
 
 
 # ---- answers, bad input ---------------------------------------------------------------------------------------------
-def test_final_answer():
-    assert final_answer("15;22;42") == "42"
-    assert final_answer("<think>1;2</think> 7") == "7"
-    assert final_answer("no number") is None
+def test_majority_votes_on_the_tasks_final_answer():
+    chain, arithmetic = ChainTask(), ArithmeticTask()
+    assert chain.answer_key("15;22;42") == "42" and chain.answer_key("15;22;40+2=42") == "42"
+    assert arithmetic.answer_key("<think>1;2</think> 7") == "7" and arithmetic.answer_key("7.0") == "7"
+    assert arithmetic.answer_key("no number") is None and arithmetic.answer_key("3 + 4") is None
 
 
 def test_bad_search_methods():

@@ -65,7 +65,7 @@ def test_stream_is_deterministic_and_eval_split_is_disjoint(cls):
     ("So the equation is 6 / (5 / 4 - 1) = 24", 1.0),  # a trailing "= target" is dropped
     ("Answer: 6 / (5 / 4 - 1).", 1.0),
     ("<answer>6 / (5 / 4 - 1)</answer> and then I rambled 1+1", 1.0),  # the answer tag wins
-    ("<answer>1+1</answer> <answer>6/(5/4-1)</answer>", 1.0),  # the last tag counts
+    ("<answer>1+1</answer> <answer>6/(5/4-1)</answer>", 0.0),  # tags that disagree: no one answer
     ("<answer>(6 / (5 / 4 - 1)) * 1 / 1</answer>", 0.0),  # 1 used three times
     ("<answer>4 * 6</answer>", 0.0),  # 1 and 5 unused
     ("<answer>4 * 6 * (5 - 1 - 3)</answer>", 0.0),  # 3 is not given

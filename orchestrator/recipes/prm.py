@@ -230,7 +230,7 @@ class PRMTrainer(Trainer):
                 scores.append([float(batch.old_logprobs[j, pos].exp()) for pos in positions])
         return scores
 
-    def evaluate(self) -> dict:
+    def evaluate(self, step: int) -> dict:
         t0 = time.perf_counter()
         scores = self.held_out_scores()
         flat = [v for s in scores for v in s]

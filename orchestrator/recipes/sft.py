@@ -57,11 +57,11 @@ class LazyPush:
 
     stale = False
 
-    def evaluate(self) -> dict:
+    def evaluate(self, step: int) -> dict:
         if self.stale:
             self.push_weights()
             self.stale = False
-        return super().evaluate()
+        return super().evaluate(step)
 
 
 class SFTTrainer(LazyPush, Trainer):

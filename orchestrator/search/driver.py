@@ -24,20 +24,19 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from orchestrator.config import ConfigError, FleetConfig
 from orchestrator.search.methods import Node, backup, best_index, majority_vote, select_leaf, top_k
-from rewards.functions import final_part, is_correct
+from rewards.answers import vote_key
+from rewards.functions import is_correct
 from rewards.prm import AGGREGATIONS, aggregate
 
 log = logging.getLogger("fleetrl")
 
 METHODS = ("greedy", "majority", "orm_best_of_n", "prm_best_of_n", "prm_beam", "mcts", "revision")
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 @dataclass
@@ -65,23 +64,16 @@ def parse_methods(text: str) -> list[str]:
     return out
 
 
-def final_answer(text: str) -> str | None:
-    """The answer a solution ends with: the last number after any ``</think>``, else math-verify's extraction."""
-    from rewards.functions import extract_answer
-
-    tail = final_part(text)
-    numbers = _NUMBER.findall(tail)
-    return numbers[-1] if numbers else extract_answer(tail)
-
-
 class Searcher:
     """The methods over one set of pools: ``rollouts`` (engines), ``prm`` / ``orm`` (step scorers, optional)."""
 
-    def __init__(self, cfg: FleetConfig, rollouts, prm, orm, tokenizer, separator: str):
+    def __init__(self, cfg: FleetConfig, rollouts, prm, orm, tokenizer, separator: str, answer_key=vote_key):
+        """``answer_key``: a completion's final answer as a canonical string for majority voting (the task's
+        :meth:`rewards.tasks.Task.answer_key`)."""
         from workers.prompts import PromptRenderer
 
         self.cfg, self.rollouts, self.prm, self.orm = cfg, rollouts, prm, orm
-        self.tokenizer, self.sep = tokenizer, separator
+        self.tokenizer, self.sep, self.answer_key = tokenizer, separator, answer_key
         self.renderer = PromptRenderer(tokenizer, cfg.data.prompt_format, cfg.data.system_prompt)
         self.calls = 0  # distinct seeds for every generate call
 
@@ -122,7 +114,7 @@ class Searcher:
     def majority(self, prompts, budget: int) -> list[Solution]:
         out = []
         for sols in self._solutions(prompts, budget):
-            pick = majority_vote([final_answer(s.text) for s in sols])
+            pick = majority_vote([self.answer_key(s.text) for s in sols])
             out.append(replace(sols[0 if pick is None else pick], tokens=sum(s.tokens for s in sols)))
         return out
 
@@ -303,7 +295,7 @@ def run_search(cfg: FleetConfig, checkpoint: str | None, methods: list[str], bud
     rollouts = RolloutPool(cfg, max_model_len=max_model_len(cfg))
     prm = PRMPool(cfg, cfg.prm.path) if needs_prm else None
     orm = PRMPool(cfg, cfg.prm.orm_path, role="orm") if "orm_best_of_n" in methods else None
-    searcher = Searcher(cfg, rollouts, prm, orm, tokenizer, step_separator(cfg))
+    searcher = Searcher(cfg, rollouts, prm, orm, tokenizer, step_separator(cfg), task.answer_key)
     results: dict[str, list[dict]] = {}
     for method in methods:
         for budget in ([1] if method == "greedy" else budgets):
