@@ -1,10 +1,18 @@
 """From a :class:`TrainBatch` micro-batch to what the model reads: packed rows and token-budget micro-batches.
 
 Padded layout (the driver's): ``[b, P + T]``, prompts left-padded, responses right-padded, so one long sample
-decides the memory of the whole micro-batch. Packed layout (the learner's): the real tokens of every sample
-concatenated into one row ``[1, L]`` (``L`` = the sum of the samples' real lengths) with position ids that
-restart at 0 for each sample. transformers' attention (SDPA on CPU, flash-attention varlen on GPU) detects the
-restarts and keeps attention inside each sample, so the logits equal the padded ones.
+decides the memory of the whole micro-batch. Packed layout (the learner's): the real tokens of the samples
+bin-packed (first-fit decreasing) into ``r <= b`` rows no longer than the micro-batch's longest sample, with
+position ids that restart at 0 for each sample (a row's unused tail is one more short segment, never scored).
+transformers' attention (SDPA on CPU, flash-attention varlen on GPU) detects the restarts and keeps attention
+inside each sample, so the logits equal the padded ones.
+
+Why rows capped at the longest sample, not one row of everything: SDPA on CPU attends over a whole row under a
+block-diagonal mask, so its work is the square of the row length; one row of 32 samples costs ``(sum L)^2``
+attention cells instead of ``sum L^2``. Capped rows never hold more positions (``r * W <= b * max L``) or
+attention cells (``r * W^2 <= b * (max L)^2``) than the padded layout (:func:`layout_cost`;
+``tests/test_packing.py`` checks it on random length mixes), and they drop most of the padding when lengths are
+skewed.
 
 Only response tokens are scored: :class:`Scored` lists, for each scored token, the packed position whose hidden
 state predicts it (one before the token), the token id, and where it goes back in the ``[b, T]`` per-token
@@ -85,19 +93,58 @@ def padded_input(mb: TrainBatch) -> ModelInput:
     return ModelInput(mb.input_ids, position_ids(mb.attention_mask), mb.attention_mask, scored)
 
 
+def pack_rows(lengths: list[int], cap: int) -> list[list[int]]:
+    """First-fit decreasing: sample indices grouped into rows of at most ``cap`` tokens (a longer sample gets a
+    row of its own); each row keeps its samples in index order."""
+    rows: list[list[int]] = []
+    used: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        for r, u in enumerate(used):
+            if u + lengths[i] <= cap:
+                rows[r].append(i)
+                used[r] += lengths[i]
+                break
+        else:
+            rows.append([i])
+            used.append(lengths[i])
+    return [sorted(row) for row in rows]
+
+
 def packed_input(mb: TrainBatch) -> ModelInput:
-    """Every row's real tokens (prompt and response, no padding) concatenated into one row, positions restarting
-    per sample. Rows are kept in order; a row's response starts ``prompt_len_i`` tokens into its segment."""
+    """The micro-batch's real tokens (prompt and response, no padding) bin-packed into rows no longer than its
+    longest sample (:func:`pack_rows`), positions restarting per sample; a row's unused tail continues as one
+    more segment (positions from 0) of repeated last tokens, never scored. A row's response starts
+    ``prompt_len_i`` tokens into its segment."""
     attn = mb.attention_mask.bool()
     lengths = attn.sum(-1)  # [b] real tokens per row
     prompt_lens = attn[:, : mb.prompt_len].sum(-1)  # [b]
-    starts = torch.cumsum(lengths, 0) - lengths  # [b] segment start in the packed row
-    ids = mb.input_ids[attn]  # row-major: each row's real tokens in order
-    pos = torch.cat([torch.arange(int(n)) for n in lengths])
+    plan = pack_rows(lengths.tolist(), int(lengths.max()))
+    width = max(int(lengths[row].sum()) for row in plan)
+    ids = torch.zeros(len(plan), width, dtype=mb.input_ids.dtype)
+    pos = torch.zeros(len(plan), width, dtype=torch.long)
+    flat_start = torch.zeros_like(lengths)  # [b] where each sample starts in the flattened [rows * width] output
+    for r, row in enumerate(plan):
+        at = 0
+        for i in row:
+            n = int(lengths[i])
+            ids[r, at:at + n] = mb.input_ids[i][attn[i]]
+            pos[r, at:at + n] = torch.arange(n)
+            flat_start[i] = r * width + at
+            at += n
+        if at < width:
+            ids[r, at:] = ids[r, at - 1]
+            pos[r, at:] = torch.arange(width - at)
     rows, cols = scored_cells(mb)
-    hidden_index = starts[rows] + prompt_lens[rows] - 1 + cols
+    hidden_index = flat_start[rows] + prompt_lens[rows] - 1 + cols
     scored = Scored(hidden_index, mb.response_ids[rows, cols], rows, cols)
-    return ModelInput(ids[None], pos[None], None, scored)
+    return ModelInput(ids, pos, None, scored)
+
+
+def layout_cost(x: ModelInput) -> tuple[int, int]:
+    """``(positions, attention cells)`` a forward over ``x`` computes: every position of the input tensor passes
+    the matmuls; SDPA scores ``width^2`` query-key cells per row (masked or not)."""
+    rows, width = x.input_ids.shape
+    return rows * width, rows * width * width
 
 
 def token_counts(batch: TrainBatch) -> list[int]:

@@ -10,7 +10,15 @@ from learner.batch import build_batch
 from learner.forward import HiddenStatesLM, critic_values, policy_logprobs
 from learner.logprobs import naive_token_logprobs, token_logprobs
 from learner.losses import policy_loss
-from learner.packing import Layout, micro_batches, packed_input, plan_micro_batches
+from learner.packing import (
+    Layout,
+    layout_cost,
+    micro_batches,
+    pack_rows,
+    packed_input,
+    padded_input,
+    plan_micro_batches,
+)
 
 PAD = 3  # a real token id: nothing may depend on it
 
@@ -57,13 +65,46 @@ def test_chunked_logprobs_equal_the_full_log_softmax_with_gradients():
 def test_packed_rows_restart_positions_and_score_only_response_tokens():
     batch = _batch()
     x = packed_input(batch)
-    real = batch.attention_mask.sum()
-    assert x.input_ids.shape == (1, real) and x.attention_mask is None
-    assert torch.equal(x.input_ids[0], batch.input_ids[batch.attention_mask.bool()])  # real tokens only, in order
-    assert int((x.position_ids[0] == 0).sum()) == batch.size  # one restart per sample
+    lengths = batch.attention_mask.sum(-1)
+    rows, width = x.input_ids.shape
+    assert width == int(lengths.max()) and rows < batch.size and x.attention_mask is None
+    # every sample's real tokens appear once, whole, starting at a position-0 restart
+    assert batch.size <= int((x.position_ids == 0).sum()) <= batch.size + rows  # a restart per sample (+ tails)
     assert x.scored.targets.numel() == int(batch.response_mask.sum())
-    # the position before each scored token holds that token's predecessor in the packed row
-    assert torch.equal(x.input_ids[0, x.scored.hidden_index + 1], x.scored.targets)
+    # the position before each scored token holds that token's predecessor in the packed rows
+    assert torch.equal(x.input_ids.reshape(-1)[x.scored.hidden_index + 1], x.scored.targets)
+
+
+def _lengths_batch(lengths: list[int], prompt: int = 4):
+    return build_batch([[5] * min(prompt, n - 1) for n in lengths], [[6] * (n - min(prompt, n - 1)) for n in lengths],
+                       [[0.0] * (n - min(prompt, n - 1)) for n in lengths], PAD)
+
+
+@pytest.mark.parametrize("mix", ["equal", "skewed", "outlier", "random"])
+def test_the_packed_layout_never_costs_more_than_padding(mix):
+    """Positions through the matmuls and attention cells of the packed layout <= the padded layout's, for
+    equal, skewed, one-long-outlier and random mixes of lengths (the cost grows with a row's square on CPU)."""
+    g = torch.Generator().manual_seed(hash(mix) % 1000)
+    for trial in range(20):
+        b = int(torch.randint(1, 33, (1,), generator=g))
+        if mix == "equal":
+            lengths = [int(torch.randint(2, 300, (1,), generator=g))] * b
+        elif mix == "skewed":
+            lengths = sorted(int(x) for x in (torch.rand(b, generator=g) ** 3 * 400 + 2))
+        elif mix == "outlier":
+            lengths = [int(torch.randint(2, 20, (1,), generator=g)) for _ in range(b - 1)] + [500]
+        else:
+            lengths = [int(x) for x in torch.randint(2, 400, (b,), generator=g)]
+        batch = _lengths_batch(lengths)
+        packed, padded = layout_cost(packed_input(batch)), layout_cost(padded_input(batch))
+        assert packed[0] <= padded[0] and packed[1] <= padded[1], (mix, trial, lengths, packed, padded)
+    assert layout_cost(packed_input(_lengths_batch([100] * 8))) == layout_cost(padded_input(_lengths_batch([100] * 8)))
+
+
+def test_first_fit_decreasing_rows():
+    assert pack_rows([5, 3, 2, 5], 5) == [[0], [3], [1, 2]]
+    assert pack_rows([9, 1, 1], 5) == [[0], [1, 2]]  # a sample over the cap gets a row of its own
+    assert sorted(i for row in pack_rows([3, 4, 1, 2, 6, 2], 6) for i in row) == list(range(6))
 
 
 def _loss_and_grads(model, mbs, layout):
