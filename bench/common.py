@@ -43,12 +43,35 @@ def save_result(name: str, quick: bool, data: dict) -> Path:
     path = RESULTS_DIR / f"{name}{'-quick' if quick else ''}.json"
     wall = time.perf_counter() - STARTED
     meta = {"benchmark": name, "quick": quick, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": round(wall, 1),
+            "commit": _commit(), "cpu": cpu_name(),
             "loadavg_1_5_15min": os.getloadavg(),  # > cpus at the end means other work shared the cores
             "cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
             "versions": _versions()}
     path.write_text(json.dumps({"meta": meta, **data}, indent=1))
     print(f"wrote {path} ({name} took {wall / 60:.1f} min)")
     return path
+
+
+def _commit() -> str:
+    """The checkout's commit, ``+dirty`` when tracked files differ from it (the numbers are then of no commit)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def cpu_name() -> str:
+    """The CPU's model name and the instruction sets that change bf16 speed most (AMX, AVX-512 BF16, AVX-512)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    isa = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"),
+                                   ("avx2", "AVX2")) if flag in flags]
+    return f"{model} ({', '.join(isa) or 'no AVX2'})"
 
 
 def load_result(name: str, quick: bool) -> dict:

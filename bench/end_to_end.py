@@ -54,8 +54,8 @@ BF16 = ["rollout.dtype=bfloat16", "rollout.enforce_eager=false", "learner.mixed_
 # the like-for-like match for TRL's fp32 run.
 VARIANTS = {
     "small": [("sync", "sync", []), ("one_step_off", "one_step_off", [])],
-    "gen_heavy": [("sync, fp32", "sync", FP32), ("sync, bf16 engines + autocast", "sync", BF16),
-                  ("one_step_off, bf16", "one_step_off", BF16)],
+    "gen_heavy": [("sync, fp32", "sync", FP32), ("sync, fp32, padded", "sync", FP32 + ["learner.packing=false"]),
+                  ("sync, bf16 engines + autocast", "sync", BF16), ("one_step_off, bf16", "one_step_off", BF16)],
 }
 
 
@@ -66,7 +66,7 @@ def fleetrl_case(name: str, c: dict, label: str, mode: str, extra: list[str]) ->
                  f"trainer.total_steps={c['steps']}", "trainer.eval_every=0", *extra]
     if mode != "sync":
         overrides.append(f"rollout.mode={mode}")
-    slug = label.split(",")[0] + ("-bf16" if "bf16" in label else "")
+    slug = label.split(",")[0] + ("-bf16" if "bf16" in label else "") + ("-padded" if "padded" in label else "")
     run = run_fleetrl(f"e2e-{name}-fleetrl-{slug}", c["config"], overrides)
     rows = training_rows(run["rows"], c["skip"])
     step_s = median(r["time/step_s"] for r in rows)
@@ -102,8 +102,13 @@ def trl_case(name: str, c: dict, bf16: bool = False) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(__doc__, argv, lambda ap: ap.add_argument(
-        "--case", choices=list(FULL), help="run one case only (the other's last results are kept)"))
+    def extra(ap):
+        ap.add_argument("--case", choices=list(FULL), help="run one case only (the other's last results are kept)")
+        ap.add_argument("--fp32-only", action="store_true",
+                        help="skip the bf16 runs (on a CPU without AMX / AVX512-BF16 bf16 is emulated, tens of times "
+                             "slower)")
+
+    args = parse_args(__doc__, argv, extra)
     cases = QUICK if args.quick else FULL
     if args.case:
         cases = {args.case: cases[args.case]}
@@ -112,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, c in cases.items():
         require_model(c["model"], c["preset"])
         trl = trl_case(name, c)
-        trls = [trl] + ([trl_case(name, c, bf16=True)] if name == "gen_heavy" else [])
-        runs = [fleetrl_case(name, c, *v) for v in VARIANTS[name] if v[1] in modes] + trls
+        trls = [trl] + ([trl_case(name, c, bf16=True)] if name == "gen_heavy" and not args.fp32_only else [])
+        variants = [v for v in VARIANTS[name] if v[1] in modes and not (args.fp32_only and "bf16" in v[0])]
+        runs = [fleetrl_case(name, c, *v) for v in variants] + trls
         results[name] = {"settings": {**c, "lr": LR}, "runs": runs}
         for r in runs:
             rows.append([name, r["system"], r["step_s"], r["completions_per_s"], r["tokens_per_s"], r["mean_len"],

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 _TOKEN = re.compile(r"[A-Za-z]+|[0-9]+|[^\sA-Za-z0-9]")
+_WRAPPER = re.compile(r"\\[A-Za-z]+|[{}$]")  # LaTeX commands (\boxed), braces, dollars: not content
 RESTATE_NGRAM = 3
 """Token n-gram length of the overlap test."""
 RESTATE_SHARE = 0.7
@@ -19,9 +20,10 @@ RESTATE_SHARE = 0.7
 
 def restates_prompt(prompt: str, completion: str) -> bool:
     """Whether the completion mostly copies its prompt: over :data:`RESTATE_SHARE` of its tokens (words,
-    numbers, single symbols) are covered by token :data:`RESTATE_NGRAM`-grams that also occur in the prompt.
+    numbers, single symbols; LaTeX commands, braces and ``$`` dropped) are covered by token
+    :data:`RESTATE_NGRAM`-grams that also occur in the prompt.
     ``64 + 95`` or ``64 + 95 =`` for "What is 64 + 95?" restate it; ``64 + 95 = 159`` (60%) and ``159`` do not."""
-    tokens, source = _TOKEN.findall(completion), _TOKEN.findall(prompt)
+    tokens, source = _TOKEN.findall(_WRAPPER.sub(" ", completion)), _TOKEN.findall(_WRAPPER.sub(" ", prompt))
     n = RESTATE_NGRAM
     if len(tokens) < n:
         return False

@@ -2,6 +2,7 @@
 command, `make` target, config key and relative link named in README.md and docs/ is real. The README stays a
 landing page (at most 12 KB)."""
 
+import json
 import re
 from pathlib import Path
 
@@ -78,3 +79,21 @@ def test_readme_is_a_landing_page():
 
 if __name__ == "__main__":
     REFERENCE.write_text(render(REFERENCE.read_text()))
+
+
+def test_benchmark_tables_are_generated_from_their_results(tmp_path):
+    """docs/BENCHMARKS.md's generated tables equal what bench/results renders, and a stale one is caught."""
+    from bench.tables import render as render_tables
+
+    doc = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    assert "<!-- bench:end_to_end -->" in doc
+    assert render_tables(doc, ROOT / "bench" / "results") == doc, "run `python -m bench.tables`"
+    result = {"meta": {"cpu": "Test CPU (AVX2)", "commit": "abc", "time": "t", "cpus": 2},
+              "gen_heavy": {"runs": [{"system": "fleetrl (sync, fp32)", "step_s": 10.0, "completions_per_s": 6.4,
+                                      "mean_len": 128}, {"system": "TRL GRPOTrainer (fp32)", "step_s": 20.0,
+                                                         "completions_per_s": 3.2, "mean_len": 128}]}}
+    (tmp_path / "end_to_end.json").write_text(json.dumps(result))
+    stale = "<!-- bench:end_to_end -->\n| old | table |\n<!-- /bench -->"
+    fresh = render_tables(stale, tmp_path)
+    assert fresh != stale and "Test CPU (AVX2)" in fresh and "commit `abc`" in fresh and "| 2 |" in fresh
+    assert render_tables(fresh, tmp_path) == fresh

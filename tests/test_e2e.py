@@ -16,7 +16,8 @@ from tests.conftest import shared_ray_env
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ["step", "policy_version", "reward/mean", "reward/std", "train/accuracy", "loss", "kl", "clip_frac",
             "entropy", "tokens_generated", "time/generate_s", "time/reward_s", "time/learn_s", "time/sync_s",
-            "time/step_s", "weight_sync/logprob_max_diff", "rollout/logprob_gap_max", "rollout/staleness_max"]
+            "time/step_s", "weight_sync/logprob_max_diff", "rollout/logprob_gap_max", "rollout/staleness_max",
+            "train/restate_frac"]
 
 
 def train(run_dir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -55,6 +56,7 @@ def test_grpo_three_steps_real_stack(tmp_path):
         assert r["tokens_generated"] > 0 and r["time/step_s"] > 0
         assert all(abs(r[k]) < 1e6 for k in ("loss", "kl", "entropy"))
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
+    _check_eval_samples(run_dir, rows)
     # the policy moved away from the reference after the first update (so weights really changed)
     assert train_rows[0]["kl"] == pytest.approx(0.0, abs=1e-6) and train_rows[-1]["kl"] > 1e-5
     assert (run_dir / "config.yaml").exists() and (run_dir / "progress.png").stat().st_size > 1000
@@ -64,11 +66,24 @@ def test_grpo_three_steps_real_stack(tmp_path):
     _check_trackers(run_dir, rows)
 
 
+def _check_eval_samples(run_dir: Path, rows: list[dict]) -> None:
+    """Every eval wrote its greedy completions with their verdicts, and its accuracy is theirs."""
+    for r in (r for r in rows if "eval/accuracy" in r):
+        path = run_dir / "evals" / f"step_{r['step']}.jsonl"
+        samples = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(samples) == 32
+        assert {"prompt", "completion", "answer", "correct", "restates_prompt"} <= set(samples[0])
+        assert sum(s["correct"] for s in samples) / 32 == pytest.approx(r["eval/accuracy"])
+        assert sum(s["restates_prompt"] for s in samples) / 32 == pytest.approx(r["eval/restate_frac"])
+
+
 def _check_console(proc: subprocess.CompletedProcess, run_dir: Path, steps: int) -> None:
-    """The console holds fleetrl's banner, one line per step and the closing line; the engines' output is in the
-    per-actor log files."""
+    """The console holds fleetrl's banner, one line per step, two eval samples under each of the two evals and
+    the closing line; the engines' output is in the per-actor log files."""
     lines = (proc.stdout + proc.stderr).splitlines()
-    assert len(lines) <= 12 + steps, "\n".join(lines)
+    assert len(lines) <= 12 + steps + 4, "\n".join(lines)
+    assert sum(line.startswith("eval  step") and ("right (answer" in line or "wrong (answer" in line)
+               for line in lines) == 4
     assert sum(line.startswith("step ") for line in lines) == steps
     assert any(line.startswith("  actors       2 rollout (vLLM), 1 reward, learner 2 ranks") for line in lines)
     assert proc.stdout.splitlines()[-1].startswith("done: 3 steps")

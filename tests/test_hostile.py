@@ -54,7 +54,8 @@ MATH_HOSTILE = [
     "<think>64 + 95 = 159</think>", "<think>64 + 95 = 159", "<think>so 159</think> I am not sure.",
     "\\boxed{159} and \\boxed{158}", "The answer is 159. Wait, no: 158.", "159. Actually it is 160.",
     "１５９", "١٥٩", "", "   ", ENORMOUS, "159" * 2000,
-    "318/2", "\\frac{318}{2}", "159 + 0", "#### 159 + 0",
+    "318/2", "\\frac{318}{2}", "159 + 0", "#### 159 + 0", "0 + 159", "1 * 159", "159 * (1)", "159 *",
+    "\\boxed{159 \\times 1}", "\\boxed{158} and then \\boxed{159}", "159 x 1",
 ]
 
 
@@ -92,6 +93,7 @@ COUNTDOWN = {"answer": "24", "numbers": [3, 5, 7, 9], "target": 24}
     "<answer>24</answer>",  # the target restated
     CountdownTask().prompt([3, 5, 7, 9], 24),  # the whole prompt restated
     "<answer>3*8</answer>", "<answer>(9 - 7) * 3 * 5</answer> = 24", "<answer>9+7+5+3</answer><answer>1</answer>",
+    "<answer>3*8</answer><answer>9+7+5+3</answer>",
     "<think><answer>9+7+5+3</answer></think>", "<think><answer>9+7+5+3</answer>", "3 5 7 9 24", "",
     "<answer>" + "+".join(["1"] * 5000) + "</answer>", "<answer>９+７+５+３</answer>",
 ])

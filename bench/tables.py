@@ -1,0 +1,88 @@
+"""The benchmark tables of docs/BENCHMARKS.md, generated from ``bench/results/*.json`` (numbers that cannot go
+stale: a table is rewritten from the result file it shows, with the CPU, commit and date that file records).
+
+A generated table sits between ``<!-- bench:NAME -->`` and ``<!-- /bench -->`` in the doc; :data:`TABLES` maps
+NAME to the function that renders it from its result file.
+
+    python -m bench.tables            # rewrite the tables of docs/BENCHMARKS.md from bench/results
+    python -m bench.tables --check    # exit 1 when a table differs from its result file (tests/test_docs.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.common import RESULTS_DIR, markdown_table
+
+DOC = Path("docs/BENCHMARKS.md")
+_BLOCK = re.compile(r"(<!-- bench:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /bench -->)", re.S)
+
+
+def provenance(meta: dict) -> str:
+    """Where a result file's numbers come from: CPU, commit, date (older files did not record the first two)."""
+    cpu = meta.get("cpu", "CPU not recorded")
+    commit = meta.get("commit", "commit not recorded")
+    return f"*Measured on {cpu}, {meta.get('cpus', '?')} cores, commit `{commit}`, {meta.get('time', '?')}.*"
+
+
+def end_to_end(result: dict) -> str:
+    """docs section 2: fleetrl vs TRL per case, ratios to TRL of the same case."""
+    rows = []
+    for case in ("small", "gen_heavy"):
+        runs = result.get(case, {}).get("runs", [])
+        trl = {r["system"]: r for r in runs if r["system"].startswith("TRL")}
+        fp32 = trl.get("TRL GRPOTrainer (fp32)")
+        bf16 = trl.get("TRL GRPOTrainer (bf16)")
+        for r in runs:
+            rows.append([case, r["system"], r["step_s"], r["completions_per_s"], r["mean_len"],
+                         r["completions_per_s"] / fp32["completions_per_s"] if fp32 else "",
+                         r["completions_per_s"] / bf16["completions_per_s"] if bf16 else "",
+                         r.get("generate_s", ""), r.get("learner_s", ""), r.get("time/overhead_s", "")])
+    table = markdown_table(["case", "system", "s/step", "completions/s", "mean completion len", "vs TRL fp32",
+                            "vs TRL bf16", "generate s", "learner s", "overhead s"], rows)
+    return f"{provenance(result['meta'])}\n\n{table}\n"
+
+
+TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
+    "end_to_end": ("end_to_end.json", end_to_end),
+}
+"""Table name -> (result file in bench/results, renderer)."""
+
+
+def render(doc: str, results_dir: Path = RESULTS_DIR) -> str:
+    """``doc`` with every generated table rewritten from its result file (a table whose file is missing says so)."""
+    def block(m: re.Match) -> str:
+        name = m.group("name")
+        if name not in TABLES:
+            raise KeyError(f"{DOC}: unknown generated table {name!r}; known: {sorted(TABLES)}")
+        file, renderer = TABLES[name]
+        path = results_dir / file
+        body = renderer(json.loads(path.read_text())) if path.exists() else f"*No result yet: bench/results/{file}.*\n"
+        return f"{m.group(1)}{body}{m.group(4)}"
+
+    return _BLOCK.sub(block, doc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="only check; exit 1 when a table is stale")
+    args = ap.parse_args(argv)
+    doc = DOC.read_text()
+    new = render(doc)
+    if args.check:
+        if new != doc:
+            print(f"{DOC}: a generated table differs from bench/results; run `python -m bench.tables`", file=sys.stderr)
+            return 1
+        return 0
+    DOC.write_text(new)
+    print(f"rewrote the generated tables of {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
