@@ -95,7 +95,9 @@ class MlflowTracker:
         if name == "fleetrl" and os.environ.get("MLFLOW_EXPERIMENT_NAME"):
             name = os.environ["MLFLOW_EXPERIMENT_NAME"]
         exp = self.client.get_experiment_by_name(name)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(name)
+        local = not (run_cfg["mlflow_tracking_uri"] or os.environ.get("MLFLOW_TRACKING_URI"))
+        artifacts = (run_dir / "mlflow-artifacts").resolve().as_uri() if local else None  # else the server's
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(name, artifact_location=artifacts)
         self.run_id = ids["mlflow"] = self.client.create_run(exp_id, run_name=run_dir.name).info.run_id
         flat = [(k, str(v)[:6000]) for k, v in flatten(params).items()]
         from mlflow.entities import Param

@@ -118,7 +118,7 @@ _TRAILING_PAREN = re.compile(r"\s*\([^()]*\)[\s.!]*$")
 _OPERATOR_BEFORE = re.compile(r"(?:[0-9)]\s*(?:[-+*/^x])|[+*/^])\s*$")
 _SIGN_BEFORE = re.compile(r"-\s*$")
 _LIST_BEFORE = re.compile(r"[0-9)]\s*(?:,|;|/|\||\bor\b|\band\b|\bthen\b|\bto\b|\.\.\.|…)?\s*$", re.I)
-_OPERATOR_AFTER = re.compile(r"^\s*(?:[-+*/^x=]|\*\*)\s*[0-9(]")
+_OPERATOR_AFTER = re.compile(r"^\s*(?:\*\*|[-+*/^]|x\s*[0-9(])")
 
 
 def _clean_math(text: str) -> str:

@@ -57,6 +57,7 @@ def test_grpo_three_steps_real_stack(tmp_path):
         assert all(abs(r[k]) < 1e6 for k in ("loss", "kl", "entropy"))
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
     _check_eval_samples(run_dir, rows)
+    assert len(list((run_dir / "mlflow-artifacts").rglob("step_*.md"))) == 2  # the eval samples, in the run dir
     # the policy moved away from the reference after the first update (so weights really changed)
     assert train_rows[0]["kl"] == pytest.approx(0.0, abs=1e-6) and train_rows[-1]["kl"] > 1e-5
     assert (run_dir / "config.yaml").exists() and (run_dir / "progress.png").stat().st_size > 1000

@@ -49,12 +49,14 @@ def test_eval_samples_reach_tensorboard_and_mlflow_as_text(tmp_path, monkeypatch
     uri = f"sqlite:///{tmp_path / 'team.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "team-exp")
+    MlflowClient(uri).create_experiment("team-exp", artifact_location=(tmp_path / "server-artifacts").as_uri())
     cfg = load_config(None, [f"run.dir={tmp_path}", 'run.loggers=["jsonl", "tensorboard", "mlflow"]'])
     m = MetricsLogger(tmp_path, plot_every=1000, loggers=cfg.run.loggers, params=cfg.model_dump(mode="json"))
     m.log_samples(eval_records([_sample("64 + 95")], [False]), step=5)
     m.log({"step": 5, "eval/accuracy": 0.0})
     m.close()
     assert not (tmp_path / "mlflow.db").exists()  # the team's server (here a file) got the run, not a private one
+    assert any((tmp_path / "server-artifacts").rglob("*.md")) and not (tmp_path / "mlflow-artifacts").exists()
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("team-exp").experiment_id])
     (folder,) = client.list_artifacts(run.info.run_id, "eval/samples")
