@@ -6,10 +6,11 @@ does), and a reply is scored by two plain rules, reported side by side:
 
 - ``last_int``: the last integer in the reply equals the reference (lm-eval's "flexible extract" for GSM8K);
   an echo of the question ("64 + 95") ends in an operand and scores 0.
-- ``single``: the text after the reply's last ``=`` holds exactly one integer, and it is the reference
-  ("64 + 95 = 159" and "159" pass; "158 or 159" and "The sum of 64 and 95 is 159" do not).
+- ``single``: the text after the reply's last ``=``, "equals" or " is " holds exactly one integer, and it is the
+  reference ("64 + 95 = 159", "64 + 95 equals 159." and "159" pass; "158 or 159" and "64 + 95" do not).
 
     python -m bench.outside_eval -c configs/smollm2_arith.yaml [--model DIR] [--n 200] [--out FILE]
+    python -m bench.outside_eval -c configs/smollm2_arith.yaml --rescore FILE   # score the replies of an --out file
 
 Writes every reply with both verdicts to ``--out`` (JSONL) and prints the two accuracies with their binomial
 standard errors.
@@ -32,8 +33,12 @@ def last_int(reply: str, answer: str) -> bool:
     return bool(numbers) and int(numbers[-1]) == int(answer)
 
 
+_STATED = re.compile(r"=|\bequals\b|\sis\s")
+
+
 def single(reply: str, answer: str) -> bool:
-    numbers = _INT.findall(reply.rpartition("=")[2])
+    tail = _STATED.split(reply)[-1]
+    numbers = _INT.findall(tail)
     return len(numbers) == 1 and int(numbers[0]) == int(answer)
 
 
@@ -70,6 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", help="model directory (default: the config's model.path)")
     ap.add_argument("--n", type=int, help="held-out prompts (default: data.eval_size)")
     ap.add_argument("--out", help="JSONL of every reply with its verdicts")
+    ap.add_argument("--rescore", help="an --out file: score its replies again (no generation)")
     args = ap.parse_args(argv)
     cfg = load_config(args.config, [])
     import torch
@@ -77,7 +83,13 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(2)
     prompts = make_task_from_config(cfg.data).eval_set(args.n or cfg.data.eval_size)
     t0 = time.perf_counter()
-    replies = generate(args.model or cfg.model.path, prompts, cfg.data.system_prompt, cfg.rollout.max_new_tokens)
+    if args.rescore:
+        saved = [json.loads(line) for line in Path(args.rescore).read_text().splitlines()]
+        if [r["prompt"] for r in saved] != [p.text for p in prompts[:len(saved)]] or len(saved) != len(prompts):
+            raise SystemExit(f"{args.rescore}: its prompts are not this config's {len(prompts)} held-out prompts")
+        replies = [r["reply"] for r in saved]
+    else:
+        replies = generate(args.model or cfg.model.path, prompts, cfg.data.system_prompt, cfg.rollout.max_new_tokens)
     rows = [{"prompt": p.text, "reply": r, "answer": p.metadata["answer"],
              "last_int": last_int(r, p.metadata["answer"]), "single": single(r, p.metadata["answer"])}
             for p, r in zip(prompts, replies)]

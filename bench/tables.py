@@ -48,8 +48,31 @@ def end_to_end(result: dict) -> str:
     return f"{provenance(result['meta'])}\n\n{table}\n"
 
 
+def _se(p: float, n: int) -> float:
+    return (p * (1 - p) / n) ** 0.5
+
+
+def smollm2_demo(result: dict) -> str:
+    """docs section 6: the SmolLM2 GRPO run's held-out curve, and both evaluators on the base and final policy."""
+    n = result["outside"]["final"]["n"]
+    rows = [[e["step"], e["minutes"], f"{e['eval_accuracy']:.3f} ± {_se(e['eval_accuracy'], n):.3f}",
+             e.get("restate_frac", "")] for e in result["evals"]]
+    curve = markdown_table(["step", "minutes (training + evals)", "held-out greedy accuracy (fleetrl)",
+                            "share restating the prompt"], rows)
+    first, last = result["evals"][0]["eval_accuracy"], result["evals"][-1]["eval_accuracy"]
+    out = result["outside"]
+    both = markdown_table(["policy", "fleetrl eval (vLLM, final-answer rule)", "outside: last integer (HF generate)",
+                           "outside: one number after the last '=', 'equals' or 'is'"], [
+        ["base", f"{first:.3f}", *(f"{out['base'][rule]['accuracy']:.3f}" for rule in ("last_int", "single"))],
+        [f"after {result['summary']['steps']} steps", f"{last:.3f}",
+         *(f"{out['final'][rule]['accuracy']:.3f}" for rule in ("last_int", "single"))]])
+    return (f"{provenance(result['meta'])} {n} held-out prompts; ± is the binomial standard error.\n\n{curve}\n\n"
+            f"{both}\n")
+
+
 TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "end_to_end": ("end_to_end.json", end_to_end),
+    "smollm2_demo": ("smollm2_demo.json", smollm2_demo),
 }
 """Table name -> (result file in bench/results, renderer)."""
 
