@@ -448,7 +448,8 @@ class Trainer:
         self.metrics.log_samples(examples, step)
         for r in examples:
             self.console.print(sample_line(step, r))
-        out = {"eval/accuracy": sum(correct) / len(correct), "eval/restate_frac": restate_frac(samples),
+        restating = sum(r["restates_prompt"] for r in records) / len(records)
+        out = {"eval/accuracy": sum(correct) / len(correct), "eval/restate_frac": restating,
                "time/eval_s": time.perf_counter() - t0}
         if self.cfg.env.name:
             out["eval/tool_call_rate"] = sum(s.episode.tool_calls > 0 for s in samples) / len(samples)

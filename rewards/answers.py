@@ -28,6 +28,7 @@ math-verify parses LaTeX and decides symbolic equivalence; this module decides w
 from __future__ import annotations
 
 import functools
+import math
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -165,7 +166,7 @@ def final_number(region: str) -> FinalAnswer | None:
     denominator_of = re.search(r"(?<![0-9.,])([0-9]+)\s*/\s*$", before)
     if denominator_of and "." not in last.group() and "," not in last.group():  # a fraction a/b
         numerator = int(denominator_of.group(1))
-        if int(last.group()) == 0 or _gcd(numerator, int(last.group())) != 1:
+        if int(last.group()) == 0 or math.gcd(numerator, int(last.group())) != 1:
             return None  # 12/4, 6/8: a division left undone
         value, start = Fraction(numerator, int(last.group())), denominator_of.start()
         before = text[:start]
@@ -174,12 +175,6 @@ def final_number(region: str) -> FinalAnswer | None:
     if _OPERATOR_BEFORE.search(before) or _LIST_BEFORE.search(before):
         return None  # an operand of a computation left undone, or the last of several candidates
     return FinalAnswer(text[start:last.end()].strip(), value)
-
-
-def _gcd(a: int, b: int) -> int:
-    from math import gcd
-
-    return gcd(a, b)
 
 
 # ---- 3. expressions ---------------------------------------------------------------------------------------------
