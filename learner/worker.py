@@ -17,6 +17,7 @@ from learner.batch import TrainBatch
 from learner.forward import HiddenStatesLM, critic_values, policy_logprobs
 from learner.packing import Layout, filler, micro_batches
 from workers.actor_logs import LoggedActor, peak_rss_mb
+from workers.imports import skip_unused_imports
 
 
 def _set_dist_env(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
@@ -36,6 +37,7 @@ class LearnerWorker(LoggedActor):
         fresh), trained with ``value_loss(**loss_kwargs)``. ``layout``: packing, logprob chunking, token-budget
         micro-batches (:class:`learner.packing.Layout`)."""
         self._start_logging()
+        skip_unused_imports()
         import torch
 
         torch.set_num_threads(torch_threads)
@@ -318,9 +320,6 @@ class LearnerWorker(LoggedActor):
         if client is None:
             raise RuntimeError(f"could not load the DeepSpeed checkpoint in {path}")
         torch.set_rng_state(client["rng"])
-
-    def ping(self) -> int:
-        return self.rank
 
 
 def _disable_dropout(model) -> None:

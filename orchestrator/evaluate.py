@@ -95,7 +95,7 @@ def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "re
         raise ConfigError("--select reward_model needs a reward model: set reward.model.path")
     cfg = cfg.model_copy(deep=True)
     cfg.model.path = str(resolve_model_dir(checkpoint))
-    from orchestrator.pools import RewardPool, RolloutPool
+    from orchestrator.pools import RewardPool, RolloutPool, wait_ready
     from orchestrator.trainer import init_ray, make_task, max_model_len
     from rewards.functions import is_correct
 
@@ -104,6 +104,7 @@ def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "re
     init_ray(cfg)
     t0 = time.perf_counter()
     rollouts, rewards = RolloutPool(cfg, max_model_len=max_model_len(cfg)), RewardPool(cfg)
+    wait_ready(rollouts, rewards)
     greedy = rollouts.generate(prompts, 1, temperature=0.0, seed=None)
     n_max = max(ns)
     scored, errors = rewards.score(rollouts.generate(prompts, n_max, cfg.rollout.temperature, seed=cfg.rollout.seed))

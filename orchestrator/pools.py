@@ -89,6 +89,10 @@ class ActorPool:
     def _after_restart(self, worker) -> None:
         pass
 
+    def ready(self) -> list:
+        """ObjectRefs that resolve once every worker's constructor has finished (see :func:`wait_ready`)."""
+        return [w.ready.remote() for w in self.workers]
+
     def resize(self, count: int) -> None:
         """Grow or shrink the pool to ``count`` workers. Called between calls (nothing is in flight), so no
         work is lost or done twice; a new worker is made ready (e.g. gets the current weights) before it is
@@ -142,7 +146,6 @@ class RolloutPool(ActorPool):
         self.current_weights = current_weights
         self.membership = 0  # bumped whenever a worker is replaced or added (a weight group must be re-formed)
         super().__init__(cfg.rollout.num_workers, cfg.rollout.max_restarts)
-        ray.get([w.stats.remote() for w in self.workers])
 
     def _spawn(self, index: int, name: str):
         r = self.cfg.rollout
@@ -228,7 +231,6 @@ class EnvPool(ActorPool):
     def __init__(self, cfg: FleetConfig):
         self.cfg = cfg
         super().__init__(cfg.env.num_workers, cfg.rollout.max_restarts)
-        ray.get([w.open_episodes.remote() for w in self.workers])
 
     def _spawn(self, index: int, name: str):
         from workers.envs.remote import EnvWorker
@@ -258,6 +260,9 @@ class RewardPool(ActorPool):
         self.cfg = cfg
         super().__init__(cfg.reward.num_workers, cfg.reward.max_restarts)
         self.model_pool = RewardModelPool(cfg) if cfg.reward.model.path else None
+
+    def ready(self) -> list:
+        return super().ready() + (self.model_pool.ready() if self.model_pool else [])
 
     def _spawn(self, index: int, name: str):
         rc = self.cfg.reward
@@ -367,7 +372,10 @@ class LearnerGroup:
         ]
         for r, handle in enumerate(self.ranks):
             remember_actor(handle, f"{prefix}-{r}", cfg.run.dir)
-        get_ranks([w.ping.remote() for w in self.ranks], prefix)
+
+    def ready(self) -> list:
+        """ObjectRefs that resolve once every rank has built its DeepSpeed engine (see :func:`wait_ready`)."""
+        return [w.ready.remote() for w in self.ranks]
 
     def _bundle0_ip(self) -> str:
         node_id = ray.util.placement_group_table(self.pg)["bundles_to_node_id"][0]
@@ -436,6 +444,22 @@ class LearnerGroup:
 
     def load_checkpoint(self, path: str) -> None:
         self._get([w.load_checkpoint.remote(path) for w in self.ranks])
+
+
+def wait_ready(*groups) -> None:
+    """Wait until every actor of ``groups`` (pools, learner groups; None is skipped) has started. Groups are
+    created without waiting, so the learner ranks, engines, reward and env actors start side by side and a run
+    waits once, for the slowest; an actor whose constructor failed raises here, naming it and its log."""
+    refs = [ref for g in groups if g is not None for ref in g.ready()]
+    pending = list(refs)
+    while pending:  # in completion order: the first actor that fails is reported without waiting for the rest
+        done, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(done[0])
+        except ray.exceptions.RayError as e:
+            if actor_label(e) is None:
+                raise
+            raise actor_failed(e, e) from e
 
 
 def env_spec(cfg: FleetConfig) -> dict:

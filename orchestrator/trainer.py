@@ -26,7 +26,16 @@ from orchestrator.console import Console, banner, sample_line, slow_bf16_warning
 from orchestrator.controller import start_controller
 from orchestrator.episodes import drop_errored_groups, episode_metrics
 from orchestrator.metrics import MetricsLogger, PhaseTimer
-from orchestrator.pools import EnvPool, LearnerDied, LearnerGroup, PRMPool, RewardPool, RolloutPool, gather_metrics
+from orchestrator.pools import (
+    EnvPool,
+    LearnerDied,
+    LearnerGroup,
+    PRMPool,
+    RewardPool,
+    RolloutPool,
+    gather_metrics,
+    wait_ready,
+)
 from orchestrator.run_status import RunStatus
 from orchestrator.samples import eval_records, restate_frac, shown, write_eval_samples
 from orchestrator.steps import process_separator, step_ends
@@ -41,6 +50,8 @@ log = logging.getLogger("fleetrl")
 
 class Trainer:
     def __init__(self, cfg: FleetConfig, resume: str | None = None, console: Console | None = None):
+        self.t_config = time.perf_counter()  # config loaded: time/startup_s and time/first_step_s count from here
+        self.startup_s = None  # -> all actors ready
         self.cfg = cfg
         self.console = console or Console(verbose=cfg.run.verbose)
         self.dashboard: str | None = None  # the Ray dashboard's URL, when there is one
@@ -66,25 +77,27 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, self.cfg.run.plot_every, keep_before=self.start_step,
                                      loggers=self.cfg.run.loggers, params=self.cfg.model_dump(mode="json"))
         max_len = max_model_len(self.cfg)
-        t0 = time.perf_counter()
         self.console.print(f"fleetrl: starting the actors (vLLM engines, DeepSpeed ranks); their output goes to "
                            f"{self.run_dir / 'logs'}/")
+        # every group is created first and waited for once: ranks, engines, reward and env actors start side by side
         self.learner = LearnerGroup(self.cfg)
         self.critic = LearnerGroup(self.cfg, role="critic") if self.cfg.algorithm.uses_critic else None
         self.envs = EnvPool(self.cfg) if self.cfg.env.name and self.cfg.env.num_workers else None
         self.rollouts = RolloutPool(self.cfg, max_model_len=max_len, current_weights=self.learner.weight_buckets,
                                     envs=self.envs)
-        self.weight_sync = make_weight_sync(self.cfg, self.learner, self.rollouts, self.task.train_batch(0, 1),
-                                            self.pad_id)
         self.rewards = RewardPool(self.cfg)
         self.prm = PRMPool(self.cfg, self.cfg.prm.path) if self.cfg.prm.path and self.uses_process_rewards() \
             else None
         self.controller = start_controller(self.run_dir.name, len(self.rollouts.workers), len(self.rewards.workers),
                                            len(self.envs.workers) if self.envs else 0)
-        log.info("actors up in %.1fs: %d rollout, %d reward, %d learner ranks", time.perf_counter() - t0,
-                 len(self.rollouts.workers), len(self.rewards.workers), self.learner.world)
+        wait_ready(self.learner, self.critic, self.envs, self.rollouts, self.rewards, self.prm)
+        self.weight_sync = make_weight_sync(self.cfg, self.learner, self.rollouts, self.task.train_batch(0, 1),
+                                            self.pad_id)
+        self.startup_s = time.perf_counter() - self.t_config
+        log.info("actors up %.1fs after the config was loaded: %d rollout, %d reward, %d learner ranks",
+                 self.startup_s, len(self.rollouts.workers), len(self.rewards.workers), self.learner.world)
         for line in banner(self.cfg, self.learner.world, len(self.rollouts.workers), len(self.rewards.workers),
-                           self.dashboard):
+                           self.dashboard, self.startup_s):
             self.console.print(line)
         slow = slow_bf16_warning(self.cfg)
         if slow:
@@ -159,6 +172,9 @@ class Trainer:
                 metrics.update(self.evaluate(step))
             if not last:
                 metrics.update(self.train_step(step))
+                if step == self.start_step:  # this process's first step: what a user waits for after submitting
+                    metrics.update({"time/startup_s": self.startup_s,
+                                    "time/first_step_s": time.perf_counter() - self.t_config})
                 bad_steps = self._count_bad_step(metrics, bad_steps)
                 if save_every and (step + 1) % save_every == 0 and not bad_steps:
                     metrics["time/checkpoint_s"] = self.save_checkpoint(step + 1)
@@ -203,7 +219,11 @@ class Trainer:
         self.metrics.close()
         evals = [m["eval/accuracy"] for m in self.metrics.history if "eval/accuracy" in m]
         steps = self.metrics.history[-1]["step"] if self.metrics.history else 0  # updates (SFT pushes lazily)
-        summary = {"steps": steps, "train_seconds": round(train_seconds, 1),
+        # this process's (a resumed run's history also holds the first process's)
+        first_step = next((m["time/first_step_s"] for m in reversed(self.metrics.history)
+                           if "time/first_step_s" in m), None)
+        summary = {"steps": steps, "train_seconds": round(train_seconds, 1), "startup_s": _round(self.startup_s),
+                   "first_step_s": _round(first_step),
                    "algorithm": self.cfg.algorithm.name, "eval_accuracy_first": evals[0] if evals else None,
                    "eval_accuracy_last": evals[-1] if evals else None, "peak_rss_mb": self.peak_rss()}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -515,6 +535,10 @@ def samples_to_batch(samples: list, pad_id: int, mask_truncated: bool = False) -
     return batch
 
 
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 1)
+
+
 def learner_metrics(m: dict) -> dict:
     """Learner metrics under their role prefix, plus the short names the run summary uses."""
     out = dict(m)
@@ -572,6 +596,9 @@ def make_task(cfg: FleetConfig):
 
 
 def _load_tokenizer(path: str):
+    from workers.imports import import_transformers
+
+    import_transformers()  # without its scikit-learn hook: 2.5 s less of every run's start-up
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

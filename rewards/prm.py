@@ -20,6 +20,7 @@ import math
 from pathlib import Path
 
 from workers.actor_logs import LoggedActor
+from workers.imports import skip_unused_imports
 
 META_FILE = "fleetrl_prm.json"
 AGGREGATIONS = ("min", "last", "prod")
@@ -94,6 +95,7 @@ class PRMWorker(LoggedActor):
 
     def __init__(self, path: str, batch_size: int, torch_threads: int = 1):
         self._start_logging()
+        skip_unused_imports()
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from workers.actor_logs import LoggedActor
+from workers.imports import skip_unused_imports
 
 EMBEDDED_REWARD_MODEL_PATH = ".fleetrl/models/arith-rm"
 
@@ -65,6 +66,7 @@ class RewardModelWorker(LoggedActor):
 
     def __init__(self, model_path: str, batch_size: int, dtype: str = "float32", torch_threads: int = 1):
         self._start_logging()
+        skip_unused_imports()
         import torch
 
         torch.set_num_threads(torch_threads)

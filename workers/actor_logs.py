@@ -32,7 +32,7 @@ def log_path(log_dir: str, name: str) -> str:
 
 class LoggedActor:
     """Base of fleetrl's actor classes: ``_start_logging()`` in ``__init__``; ``repr`` = the actor's Ray name, which
-    Ray uses in console prefixes; ``peak_rss_mb`` for the run summary."""
+    Ray uses in console prefixes; ``peak_rss_mb`` for the run summary; ``ready`` for the start-up barrier."""
 
     name = ""
 
@@ -46,6 +46,10 @@ class LoggedActor:
     def peak_rss_mb(self) -> float:
         """Peak resident memory of this actor's process, MB."""
         return peak_rss_mb()
+
+    def ready(self) -> str:
+        """Returns (its name) once the constructor has finished: the start-up barrier."""
+        return self.name
 
 
 def peak_rss_mb() -> float:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 
 from workers.actor_logs import LoggedActor
+from workers.imports import skip_unused_imports
 from workers.prompts import PromptRenderer
 from workers.records import Sample
 
@@ -33,6 +34,7 @@ class RolloutWorker(LoggedActor):
                  enforce_eager: bool | None = None, prompt_format: str = "auto", system_prompt: str | None = None,
                  stop: list[str] | None = None):
         self._start_logging()
+        skip_unused_imports()
         for key, value in CPU_ENV.items():
             os.environ.setdefault(key, value)
         from vllm import LLM
@@ -50,12 +52,22 @@ class RolloutWorker(LoggedActor):
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.llm = LLM(**kwargs)
+        self._warm_up()
         self.tokenizer = self.llm.get_tokenizer()
         self.renderer = PromptRenderer(self.tokenizer, prompt_format, system_prompt)
         self.stop = list(stop or [])
         self.policy_version = 0
         self.generated_tokens = 0
         self.episodes = None  # EpisodeFactory of the env config last used (run_episodes)
+
+    def _warm_up(self) -> None:
+        """One 2-token request with logprobs: vLLM compiles its logprob gather on first use (about 2 s on 2 cores),
+        which would otherwise land on the first eval or step instead of the start-up that runs beside the learner's."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.llm.generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(max_tokens=2, logprobs=0),
+                          use_tqdm=False)
 
     def generate(self, prompts: list[tuple[str, str | list[dict], dict]], group_size: int, max_new_tokens: int,
                  temperature: float, top_p: float, seed: int | None, prefixes: list[list[int]] | None = None,

@@ -35,7 +35,7 @@ def teacher_data(cfg: FleetConfig, out: Path) -> dict:
     """Generate with the teacher, keep the verified samples, write them as SFT rows; returns the counts."""
     import ray
 
-    from orchestrator.pools import RewardPool, RolloutPool
+    from orchestrator.pools import RewardPool, RolloutPool, wait_ready
     from orchestrator.recipes.rft import keep_verified
     from orchestrator.trainer import make_task, max_model_len
     from rewards.functions import is_correct
@@ -47,6 +47,7 @@ def teacher_data(cfg: FleetConfig, out: Path) -> dict:
     prompts = task.train_batch(0, cfg.distill.prompts)
     text = {p.uid: p.text for p in prompts}
     rollouts, rewards = RolloutPool(tcfg, max_model_len=max_model_len(tcfg)), RewardPool(tcfg)
+    wait_ready(rollouts, rewards)
     try:
         samples = rollouts.generate(prompts, cfg.rollout.group_size, cfg.rollout.temperature, seed=cfg.rollout.seed)
         scored, errors = rewards.score(samples)

@@ -58,7 +58,7 @@ def token_steps(tokenizer, completion_ids: list[int], separator: str) -> list[tu
 
 def run_label(cfg: FleetConfig, out: str) -> dict:
     """Label the policy's solutions (see the module doc); returns the summary written to ``label.json``."""
-    from orchestrator.pools import RolloutPool
+    from orchestrator.pools import RolloutPool, wait_ready
     from orchestrator.trainer import _load_tokenizer, init_ray, make_task, max_model_len
     from rewards.functions import is_correct
     from rewards.tasks import step_truth
@@ -69,6 +69,7 @@ def run_label(cfg: FleetConfig, out: str) -> dict:
     init_ray(cfg)
     t0 = time.perf_counter()
     rollouts = RolloutPool(cfg, max_model_len=max_model_len(cfg))
+    wait_ready(rollouts)
     t_up = time.perf_counter()
     samples = rollouts.generate(prompts, p.samples, cfg.rollout.temperature, seed=cfg.rollout.seed)
     solved = [(s, token_steps(tokenizer, s.completion_ids, sep)) for s in samples]

@@ -276,7 +276,7 @@ def run_search(cfg: FleetConfig, checkpoint: str | None, methods: list[str], bud
     """Every method at every budget on the held-out prompts; writes ``search.json`` and ``search.png`` in
     ``out`` (default ``<run.dir>/search``) and returns the report."""
     from orchestrator.evaluate import resolve_model_dir
-    from orchestrator.pools import PRMPool, RolloutPool
+    from orchestrator.pools import PRMPool, RolloutPool, wait_ready
     from orchestrator.steps import step_separator
     from orchestrator.trainer import _load_tokenizer, init_ray, make_task, max_model_len
 
@@ -295,6 +295,7 @@ def run_search(cfg: FleetConfig, checkpoint: str | None, methods: list[str], bud
     rollouts = RolloutPool(cfg, max_model_len=max_model_len(cfg))
     prm = PRMPool(cfg, cfg.prm.path) if needs_prm else None
     orm = PRMPool(cfg, cfg.prm.orm_path, role="orm") if "orm_best_of_n" in methods else None
+    wait_ready(rollouts, prm, orm)
     searcher = Searcher(cfg, rollouts, prm, orm, tokenizer, step_separator(cfg), task.answer_key)
     results: dict[str, list[dict]] = {}
     for method in methods:
