@@ -153,7 +153,6 @@ def even_prompts_only(prompt, completion, metadata):
               "rollout.dtype=bfloat16", "learner.mixed_precision=bfloat16", "run.dump_rollouts=true",
               "reward.functions=[{name: 'tests.test_e2e:even_prompts_only'}]"]),
     ("ppo", ["algorithm.kl_reward_coef=0.05"]),
-    ("grpo_process", ["algorithm.step_separator=''"]),
     ("gdpo", ["reward.functions=[{name: math}, {name: length, params: {max_len: 5, cache: 3}}]",
               "algorithm.conditions=[{reward: length, if_reward: math, threshold: 1.0}]",
               "rollout.weight_sync=collective", "learner.log_kl=true"]),  # pushes over a gloo group into the engine
@@ -161,7 +160,8 @@ def even_prompts_only(prompt, completion, metadata):
 def test_algorithm_families_end_to_end(tmp_path, algorithm, extra):
     """A group-based estimator, PPO with its critic group (GAE), and GDPO with two reward components (and the
     collective weight push), through the real loop (1 rollout worker, 1 learner rank at ZeRO-0 to keep the suite
-    short). The logprob check proves the pushed weights arrived, whichever way they went."""
+    short; GRPO with process advantages runs in the one_step_off test). The logprob check proves the pushed weights
+    arrived, whichever way they went."""
     rows = run_fleetrl(tmp_path / "run", f"algorithm.name={algorithm}", *extra, "trainer.total_steps=2",
                        "trainer.eval_every=0", "rollout.num_workers=1", "learner.num_ranks=1", "learner.zero_stage=0",
                        "learner.lr=1e-3")
@@ -194,10 +194,13 @@ def test_algorithm_families_end_to_end(tmp_path, algorithm, extra):
 @pytest.mark.e2e
 def test_one_step_off_generates_next_batch_during_update(tmp_path):
     """rollout.mode=one_step_off: batch k+1 is generated (with version k) while the learner trains on batch k;
-    samples are exactly one version stale after the first step and the engines still get every push."""
-    rows = run_fleetrl(tmp_path / "run", "rollout.mode=one_step_off", "trainer.total_steps=3", "trainer.eval_every=0",
+    samples are exactly one version stale after the first step and the engines still get every push. The run is
+    also the algorithm-family case of GRPO with process (per-step) advantages."""
+    rows = run_fleetrl(tmp_path / "run", "rollout.mode=one_step_off", "algorithm.name=grpo_process",
+                       "algorithm.step_separator=''", "trainer.total_steps=3", "trainer.eval_every=0",
                        "rollout.num_workers=1", "learner.num_ranks=1", "learner.zero_stage=0", "learner.lr=1e-3")
     train = [r for r in rows if "reward/mean" in r]
+    assert all(abs(r["loss"]) < 1e6 for r in train)
     assert [r["rollout/staleness_max"] for r in train] == [0, 1, 1]
     assert [r["rollout/policy_version_min"] for r in train] == [0, 0, 1]
     assert train[0]["rollout/logprob_gap_max"] < 1e-3  # same-version samples

@@ -84,9 +84,12 @@ def untied_copy(tmp: Path) -> Path:
     return out
 
 
+# Two runs (~60 s each on 2 cores): each transport once, tied and untied heads once, both in one_step_off, the mode
+# where pushes meet an engine that is one step ahead (sync pushes are the simpler case of the same calls, and the
+# default path's logprobs are checked by every other end-to-end run).
 @pytest.mark.e2e
-@pytest.mark.parametrize("sync,tied,mode", [("object_store", True, "sync"), ("collective", True, "one_step_off"),
-                                            ("object_store", False, "one_step_off"), ("collective", False, "sync")])
+@pytest.mark.parametrize("sync,tied,mode", [("collective", True, "one_step_off"),
+                                            ("object_store", False, "one_step_off")])
 def test_every_engine_parameter_equals_the_learners_after_several_pushes(tmp_path, sync, tied, mode):
     import os
 
