@@ -70,9 +70,38 @@ def smollm2_demo(result: dict) -> str:
             f"{both}\n")
 
 
+def startup(result: dict) -> str:
+    """docs section 9: launch -> actors up and -> first step, before and after a change (medians)."""
+    before, after = result.get("before", {}), result["after"]
+    rows = []
+    for case, a in after.items():
+        if not isinstance(a, dict) or "runs" not in a:
+            continue
+        b = before.get(case, {})
+        rows.append([case, len(a["runs"]), b.get("actors_up_s", ""), a["actors_up_s"],
+                     f"{a['actors_up_s'] / b['actors_up_s']:.2f}" if b else "", b.get("first_step_s", ""),
+                     a["first_step_s"], f"{a['first_step_s'] / b['first_step_s']:.2f}" if b else ""])
+    table = markdown_table(["config", "runs (median of)", "actors up s, before", "after", "after / before",
+                            "first step s, before", "after", "after / before"], rows)
+    return (f"{provenance(result['meta'])} Before: commit `{before.get('commit', '?')}`; after: the commit "
+            f"named.\n\n{table}\n")
+
+
+def startup_profile(result: dict) -> str:
+    """docs section 9: where the default config's start-up goes."""
+    phases = markdown_table(["phase (driver)", "s"], [[k, v] for k, v in result["phases_s"].items()])
+    cpu = markdown_table(["process", "CPU s each, until every actor is ready"],
+                         [[k, ", ".join(str(x) for x in v)] for k, v in result["cpu_s"].items()])
+    ready = ", ".join(f"{k} at {v} s" for k, v in result["ready_at_s"].items())
+    return f"{provenance(result['meta'])}\n\n{phases}\n\nReady: {ready}.\n\n{cpu}\n"
+
+
 TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "end_to_end": ("end_to_end.json", end_to_end),
     "smollm2_demo": ("smollm2_demo.json", smollm2_demo),
+    "startup": ("startup.json", startup),
+    "startup_models": ("startup_models.json", startup),
+    "startup_profile": ("startup_profile.json", startup_profile),
 }
 """Table name -> (result file in bench/results, renderer)."""
 

@@ -8,7 +8,6 @@ Each phase is timed; one JSON object per step goes to metrics.jsonl.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import os
@@ -59,22 +58,14 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         self.task = make_task(cfg)
         self.eval_prompts = self.task.eval_set(cfg.data.eval_size)
-        # loaded beside Ray's start and the actors' (transformers' import is ~5 s of the driver's start-up)
-        self._tokenizer = ThreadPoolExecutor(max_workers=1).submit(_load_tokenizer, cfg.model.path)
+        self.tokenizer = _load_tokenizer(cfg.model.path)
+        self.pad_id = pad_token_id(self.tokenizer)
         self.version = 0
         self.start_step = 0
         self.prefetch = None  # one_step_off: the next step's batch, being generated and scored
         self.stop_requested = False  # `fleetrl stop`: end at the next step boundary
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
         self.resume_from = ckpt.resolve(resume, self.run_dir) if resume else None
-
-    @property
-    def tokenizer(self):
-        return self._tokenizer.result()
-
-    @functools.cached_property
-    def pad_id(self) -> int:
-        return pad_token_id(self.tokenizer)
 
     def start(self) -> None:
         """Create the run directory and the actor groups (rollout, reward, learner)."""
