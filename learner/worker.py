@@ -17,7 +17,7 @@ from learner.batch import TrainBatch
 from learner.forward import HiddenStatesLM, critic_values, policy_logprobs
 from learner.packing import Layout, filler, micro_batches
 from workers.actor_logs import LoggedActor, peak_rss_mb
-from workers.imports import skip_unused_imports
+from workers.imports import pin_build_tools, skip_unused_imports
 
 
 def _set_dist_env(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
@@ -46,6 +46,7 @@ class LearnerWorker(LoggedActor):
         if not on_gpu:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         _set_dist_env(rank, world_size, master_addr, master_port)
+        pin_build_tools()  # the same ninja whoever launched the run: the comm op is built once, not again and again
         import deepspeed
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 

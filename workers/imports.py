@@ -9,6 +9,7 @@ which both libraries take as "not installed".
 
 from __future__ import annotations
 
+import os
 import sys
 
 UNUSED_IN_MODEL_ACTORS = ("sklearn", "mlflow")
@@ -30,3 +31,16 @@ def import_transformers() -> None:
         import transformers.generation.candidate_generator  # noqa: F401  (pulled in by AutoTokenizer and models)
     finally:
         del sys.modules["sklearn"]
+
+
+def pin_build_tools() -> None:
+    """Put this interpreter's bin directory first on PATH, so the ninja that torch's JIT build runs is the venv's.
+
+    DeepSpeed compiles its CPU comm op on first use (about 60 s on 2 cores) and ninja decides whether the cached
+    build is current. The venv's ninja (1.13, a DeepSpeed dependency) and a system one (1.11 here) hash the build
+    commands differently, so runs launched with the venv's bin on PATH and runs without it rebuilt the op each
+    time they alternated (16 rebuilds in one day on this machine). Call before importing deepspeed."""
+    bin_dir = os.path.dirname(sys.executable)
+    if os.path.exists(os.path.join(bin_dir, "ninja")):
+        parts = os.environ.get("PATH", "").split(os.pathsep)
+        os.environ["PATH"] = os.pathsep.join([bin_dir, *(p for p in parts if p != bin_dir)])
