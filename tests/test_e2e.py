@@ -56,6 +56,12 @@ def test_grpo_three_steps_real_stack(tmp_path):
         assert r["tokens_generated"] > 0 and r["time/step_s"] > 0
         assert all(abs(r[k]) < 1e6 for k in ("loss", "kl", "entropy"))
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
+    # start-up is timed from the loaded config: to every actor ready, then to the end of the first step (which
+    # holds the step-0 eval), in the first row only and in the summary
+    startup, first_step = rows[0]["time/startup_s"], rows[0]["time/first_step_s"]
+    assert 0 < startup < first_step and not any("time/startup_s" in r for r in rows[1:])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["startup_s"], summary["first_step_s"]) == (round(startup, 1), round(first_step, 1))
     _check_eval_samples(run_dir, rows)
     assert len(list((run_dir / "mlflow-artifacts").rglob("step_*.md"))) == 2  # the eval samples, in the run dir
     # the policy moved away from the reference after the first update (so weights really changed)
@@ -86,7 +92,8 @@ def _check_console(proc: subprocess.CompletedProcess, run_dir: Path, steps: int)
     assert sum(line.startswith("eval  step") and ("right (answer" in line or "wrong (answer" in line)
                for line in lines) == 4
     assert sum(line.startswith("step ") for line in lines) == steps
-    assert any(line.startswith("  actors       2 rollout (vLLM), 1 reward, learner 2 ranks") for line in lines)
+    assert any(line.startswith("  actors       2 rollout (vLLM), 1 reward, learner 2 ranks")
+               and re.search(r"; up \d+\.\d s after the config was loaded$", line) for line in lines)
     assert proc.stdout.splitlines()[-1].startswith("done: 3 steps")
     engine_lines = [line for line in lines if re.search(r"pid=|MainProcess|\b(INFO|WARNING|DEBUG)\b", line)]
     assert not engine_lines, "\n".join(lines)
