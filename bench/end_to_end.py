@@ -98,7 +98,9 @@ def trl_case(name: str, c: dict, bf16: bool = False) -> dict:
     return {"system": "TRL GRPOTrainer" + (" (bf16)" if bf16 else " (fp32)"), "step_s": step_s,
             "completions_per_s": c["P"] * c["G"] / step_s,
             "tokens_per_s": c["P"] * c["G"] * median(lens[c["skip"]:]) / step_s,
-            "mean_len": median(lens[c["skip"]:]), "steps_measured": len(steps), "command": report["command"]}
+            "mean_len": median(lens[c["skip"]:]), "steps_measured": len(steps), "command": report["command"],
+            # TRL's step split by bench.trl_grpo: generation + scoring, and the rest (the update)
+            "generate_s": median(s["generate_s"] for s in steps), "learner_s": median(s["learner_s"] for s in steps)}
 
 
 def main(argv: list[str] | None = None) -> int:

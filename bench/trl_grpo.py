@@ -105,6 +105,7 @@ def make_callback(args, tok, eval_prompts):
         def __init__(self):
             self.steps, self.evals, self.logs = [], [], []
             self.eval_s = 0.0
+            self.generate_s = 0.0  # this step's generation and scoring (see time_generation)
 
         def train_s(self) -> float:
             return time.perf_counter() - self.t0 - self.eval_s
@@ -125,8 +126,9 @@ def make_callback(args, tok, eval_prompts):
 
         def on_step_end(self, targs, state, control, model=None, **kw):
             now = self.train_s()
-            self.steps.append({"step": state.global_step, "step_s": now - self.last, "train_s": now})
-            self.last = now
+            self.steps.append({"step": state.global_step, "step_s": now - self.last, "train_s": now,
+                               "generate_s": self.generate_s, "learner_s": now - self.last - self.generate_s})
+            self.last, self.generate_s = now, 0.0
             if args.eval_every and state.global_step % args.eval_every == 0:
                 self.evaluate(model, state.global_step)
                 self.last = self.train_s()
@@ -137,6 +139,21 @@ def make_callback(args, tok, eval_prompts):
             self.logs.append({"step": state.global_step, **(logs or {})})
 
     return BenchCallback()
+
+
+def time_generation(trainer, callback) -> None:
+    """Add the time of TRL's generation and scoring to ``callback.generate_s``, so a step splits into generation
+    and the update (``learner_s`` = the step minus it: TRL's old-logprob pass, when it runs one, counts as update)."""
+    inner = trainer._generate_and_score_completions
+
+    def timed(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return inner(*a, **kw)
+        finally:
+            callback.generate_s += time.perf_counter() - t
+
+    trainer._generate_and_score_completions = timed
 
 
 def grpo_config(args):
@@ -173,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                           train_dataset=build_dataset(args.steps, args.prompts_per_step, args.seed, args.chat,
                                                       args.max_operand),
                           processing_class=tok, callbacks=[callback])
+    time_generation(trainer, callback)
     trainer.train()
     if args.eval_every and (not callback.evals or callback.evals[-1]["step"] != trainer.state.global_step):
         callback.evaluate(trainer.model, trainer.state.global_step)
