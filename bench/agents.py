@@ -34,8 +34,8 @@ def measure(s: dict, tools: str) -> dict:
 
     from orchestrator.cli import ensure_model
     from orchestrator.config import load_config
+    from orchestrator.launch import make_task, max_model_len
     from orchestrator.pools import RolloutPool, env_spec
-    from orchestrator.trainer import make_task, max_model_len
 
     cfg = load_config("configs/tool_calc.yaml", ["rollout.num_workers=2", f"env.tools=[{tools}]",
                                                  f"rollout.group_size={s['G']}"])

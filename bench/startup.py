@@ -99,7 +99,8 @@ def profile() -> dict:
 
     from orchestrator.config import load_config
     from orchestrator.console import Console
-    from orchestrator.trainer import Trainer, init_ray, max_model_len
+    from orchestrator.launch import init_ray, max_model_len
+    from orchestrator.trainer import Trainer
     lap("driver imports")
     run_dir = (RUNS_DIR / "startup-profile").resolve()
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -95,8 +95,8 @@ def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "re
         raise ConfigError("--select reward_model needs a reward model: set reward.model.path")
     cfg = cfg.model_copy(deep=True)
     cfg.model.path = str(resolve_model_dir(checkpoint))
+    from orchestrator.launch import init_ray, make_task, max_model_len
     from orchestrator.pools import RewardPool, RolloutPool, wait_ready
-    from orchestrator.trainer import init_ray, make_task, max_model_len
     from rewards.functions import is_correct
 
     task = make_task(cfg)

@@ -450,8 +450,7 @@ def wait_ready(*groups) -> None:
     """Wait until every actor of ``groups`` (pools, learner groups; None is skipped) has started. Groups are
     created without waiting, so the learner ranks, engines, reward and env actors start side by side and a run
     waits once, for the slowest; an actor whose constructor failed raises here, naming it and its log."""
-    refs = [ref for g in groups if g is not None for ref in g.ready()]
-    pending = list(refs)
+    pending = [ref for g in groups if g is not None for ref in g.ready()]
     while pending:  # in completion order: the first actor that fails is reported without waiting for the rest
         done, pending = ray.wait(pending, num_returns=1)
         try:

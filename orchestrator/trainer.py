@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +24,7 @@ from orchestrator.config import FleetConfig, dump_config
 from orchestrator.console import Console, banner, sample_line, slow_bf16_warning
 from orchestrator.controller import start_controller
 from orchestrator.episodes import drop_errored_groups, episode_metrics
+from orchestrator.launch import init_ray, load_tokenizer, make_task, max_model_len
 from orchestrator.metrics import MetricsLogger, PhaseTimer
 from orchestrator.pools import (
     EnvPool,
@@ -41,7 +41,6 @@ from orchestrator.samples import eval_records, restate_frac, shown, write_eval_s
 from orchestrator.steps import process_separator, step_ends
 from orchestrator.weight_sync import make_weight_sync
 from rewards.functions import is_correct
-from rewards.tasks import make_task_from_config
 from workers.prompts import pad_token_id
 from workers.records import ScoredSample
 
@@ -58,7 +57,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         self.task = make_task(cfg)
         self.eval_prompts = self.task.eval_set(cfg.data.eval_size)
-        self.tokenizer = _load_tokenizer(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path)
         self.pad_id = pad_token_id(self.tokenizer)
         self.version = 0
         self.start_step = 0
@@ -557,68 +556,3 @@ def run_training(cfg: FleetConfig, resume: str | None = None, trainer_cls: type 
     trainer = (trainer_cls or Trainer)(cfg, resume, console)  # checks --resume and data before any actor
     trainer.dashboard = init_ray(cfg)
     return trainer.run()
-
-
-def init_ray(cfg: FleetConfig) -> str | None:
-    """Join ``run.ray_address`` (or RAY_ADDRESS, as inside a Ray job), or start a private local Ray instance with
-    enough CPUs for the configured actors. Actors' output reaches this console only with ``run.verbose`` (it is in
-    their log files either way). Returns where the Ray dashboard is, for the banner."""
-    import math
-
-    import ray
-
-    if ray.is_initialized():
-        return None
-    address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
-    quiet = {"log_to_driver": cfg.run.verbose, "logging_level": logging.INFO if cfg.run.verbose else logging.ERROR}
-    if not address:
-        ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(_cpus_needed(cfg))), include_dashboard=False, **quiet)
-        return "off (a private local Ray instance; join a cluster with run.ray_address)"
-    url = getattr(ray.init(address=address, **quiet), "dashboard_url", None)
-    return (f"http://{url}" if not url.startswith("http") else url) if url else f"the cluster's ({address})"
-
-
-def make_task(cfg: FleetConfig):
-    """The built-in task, or a JSONL dataset (``data.path``) with prompts filtered by token length."""
-    d = cfg.data
-    if d.path is None:
-        return make_task_from_config(d)
-    from rewards.datasets import DatasetTask
-    from workers.prompts import PromptRenderer
-
-    renderer = PromptRenderer(_load_tokenizer(cfg.model.path), d.prompt_format, d.system_prompt)
-    task = DatasetTask(d.path, d.prompt_field, d.answer_field, d.skip_invalid, d.eval_size, d.seed, d.eval_path,
-                       too_long=lambda p: len(renderer.render(p)[1]) > d.max_prompt_tokens, verifier=d.verifier,
-                       answer_form=d.answer_form)
-    log.info("dataset %s: %d train / %d eval rows; skipped %s", d.path, len(task.train_rows), len(task.eval_rows),
-             task.counts)
-    return task
-
-
-def _load_tokenizer(path: str):
-    from workers.imports import import_transformers
-
-    import_transformers()  # without its scikit-learn hook: 2.5 s less of every run's start-up
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def max_model_len(cfg: FleetConfig) -> int:
-    """Engine context: the prompt limit plus the completion cap (an episode's token budget with ``env``), within
-    the model's position range."""
-    import json
-
-    hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
-    wanted = cfg.env.max_total_tokens if cfg.env.name else cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    return min(int(hf.get("max_position_embeddings", 1 << 30)), wanted)
-
-
-def _cpus_needed(cfg: FleetConfig) -> float:
-    learner_groups = 2 if cfg.algorithm.uses_critic else 1
-    rm = cfg.reward.model
-    envs = cfg.env.num_workers * cfg.env.num_cpus if cfg.env.name else 0.0
-    return (envs + cfg.rollout.num_workers * cfg.rollout.num_cpus + cfg.reward.num_workers * cfg.reward.num_cpus
-            + learner_groups * cfg.learner.num_ranks * cfg.learner.num_cpus
-            + (rm.num_workers * rm.num_cpus if rm.path else 0)
-            + (2 * cfg.prm.num_workers * cfg.prm.num_cpus if cfg.prm.path or cfg.prm.orm_path else 0))

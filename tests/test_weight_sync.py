@@ -19,7 +19,8 @@ DRIVER = textwrap.dedent("""
     import ray, torch
     from safetensors.torch import load_file
     from orchestrator.config import load_config
-    from orchestrator.trainer import Trainer, init_ray
+    from orchestrator.launch import init_ray
+    from orchestrator.trainer import Trainer
 
     run_dir, overrides = sys.argv[1], json.loads(sys.argv[2])
     cfg = load_config(None, [f"run.dir={run_dir}", "trainer.total_steps=3", "trainer.eval_every=0",

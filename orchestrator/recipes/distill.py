@@ -35,9 +35,9 @@ def teacher_data(cfg: FleetConfig, out: Path) -> dict:
     """Generate with the teacher, keep the verified samples, write them as SFT rows; returns the counts."""
     import ray
 
+    from orchestrator.launch import make_task, max_model_len
     from orchestrator.pools import RewardPool, RolloutPool, wait_ready
     from orchestrator.recipes.rft import keep_verified
-    from orchestrator.trainer import make_task, max_model_len
     from rewards.functions import is_correct
 
     tree = cfg.model_dump()
@@ -72,8 +72,8 @@ def teacher_data(cfg: FleetConfig, out: Path) -> dict:
 
 
 def run_distill(cfg: FleetConfig, resume: str | None = None) -> dict:
+    from orchestrator.launch import init_ray
     from orchestrator.recipes.sft import run_sft
-    from orchestrator.trainer import init_ray
 
     check_teacher(cfg)
     run_dir = Path(cfg.run.dir)

@@ -58,13 +58,13 @@ def token_steps(tokenizer, completion_ids: list[int], separator: str) -> list[tu
 
 def run_label(cfg: FleetConfig, out: str) -> dict:
     """Label the policy's solutions (see the module doc); returns the summary written to ``label.json``."""
+    from orchestrator.launch import init_ray, load_tokenizer, make_task, max_model_len
     from orchestrator.pools import RolloutPool, wait_ready
-    from orchestrator.trainer import _load_tokenizer, init_ray, make_task, max_model_len
     from rewards.functions import is_correct
     from rewards.tasks import step_truth
 
     task, sep, p = make_task(cfg), step_separator(cfg), cfg.prm
-    tokenizer = _load_tokenizer(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.path)
     prompts = task.train_batch(LABEL_SEED, p.prompts)
     init_ray(cfg)
     t0 = time.perf_counter()

@@ -90,7 +90,7 @@ class RFTTrainer(Trainer):
 
 def run_rft(cfg: FleetConfig, rounds: int | None = None, resume: str | None = None) -> list[dict]:
     """Check the run directory, start (or join) Ray, run the rounds; returns the per-round rows."""
-    from orchestrator.trainer import init_ray
+    from orchestrator.launch import init_ray
 
     cfg = rft_config(cfg, rounds)
     if (Path(cfg.run.dir) / "metrics.jsonl").exists() and not resume:

@@ -276,9 +276,9 @@ def run_search(cfg: FleetConfig, checkpoint: str | None, methods: list[str], bud
     """Every method at every budget on the held-out prompts; writes ``search.json`` and ``search.png`` in
     ``out`` (default ``<run.dir>/search``) and returns the report."""
     from orchestrator.evaluate import resolve_model_dir
+    from orchestrator.launch import init_ray, load_tokenizer, make_task, max_model_len
     from orchestrator.pools import PRMPool, RolloutPool, wait_ready
     from orchestrator.steps import step_separator
-    from orchestrator.trainer import _load_tokenizer, init_ray, make_task, max_model_len
 
     cfg = cfg.model_copy(deep=True)
     if checkpoint:
@@ -290,7 +290,7 @@ def run_search(cfg: FleetConfig, checkpoint: str | None, methods: list[str], bud
         raise ConfigError("orm_best_of_n needs prm.orm_path (`fleetrl prm train prm.target=outcome`)")
     task = make_task(cfg)
     prompts = task.eval_set(cfg.data.eval_size)
-    tokenizer = _load_tokenizer(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.path)
     init_ray(cfg)
     rollouts = RolloutPool(cfg, max_model_len=max_model_len(cfg))
     prm = PRMPool(cfg, cfg.prm.path) if needs_prm else None
