@@ -439,6 +439,38 @@ class EnvConfig(Section):
     num_cpus: float = Field(0.25, ge=0.0)
     """Ray CPUs reserved by each `env-i` actor."""
 
+    @field_validator("name")
+    @classmethod
+    def _check_environment(cls, name: str | None) -> str | None:
+        """A plugin that is not what it claims is a config error here, before any actor starts."""
+        if name is not None:
+            from workers.envs.api import load_environment
+
+            _load_plugin(load_environment, name)
+        return name
+
+    @field_validator("tools")
+    @classmethod
+    def _check_tools(cls, tools: list[str]) -> list[str]:
+        from workers.envs.tools import load_tool
+
+        for spec in tools:
+            _load_plugin(load_tool, spec)
+        return tools
+
+
+def _load_plugin(loader, spec: str) -> None:
+    """``loader(spec)``, any failure of it (unknown name, a module that does not import or raises on import, an
+    object of the wrong kind) as a ValueError with one line saying why."""
+    import workers.envs  # noqa: F401  (registers the stock environments and tools)
+
+    try:
+        loader(spec)
+    except (KeyError, ValueError) as e:
+        raise ValueError(str(e.args[0]) if e.args else repr(e)) from None
+    except Exception as e:  # noqa: BLE001 - a plugin module that fails on import: its error, in one line
+        raise ValueError(f"{spec!r} cannot be imported: {type(e).__name__}: {e}") from None
+
 
 class FleetConfig(Section):
     """The whole run."""

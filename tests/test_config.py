@@ -121,3 +121,24 @@ def test_learner_temperature_is_the_sampling_one_only_for_policy_gradients(algor
 
     cfg = FleetConfig.model_validate({"algorithm": {"name": algorithm}, "rollout": {"temperature": 0.7}})
     assert learner_temperature(cfg) == temperature
+
+
+@pytest.mark.parametrize("override, why", [
+    ("env.name=tests.test_envs:Turn", "not a workers.envs.api.Environment"),   # a class, but not an Environment
+    ("env.name=nosuch_pkg.mod:Env", "cannot be imported"),                    # a module that does not import
+    ("env.name=nope", "unknown environment 'nope'"),
+    ("env.tools=[json:dumps]", "not a workers.envs.tools.Tool"),             # an object that is not a Tool
+    ("env.tools=[calculator, tests.broken_plugin:tool]", "ZeroDivisionError"),  # a module that raises on import
+])
+def test_plugins_that_are_not_what_they_claim_are_config_errors(override, why):
+    with pytest.raises(ConfigError, match=why) as e:
+        load_config(None, [override])
+    assert override.split("=")[0] in str(e.value)
+
+
+def test_cli_bad_plugin_exits_2_in_one_line_before_any_actor(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "orchestrator", "train", "env.name=tests.test_envs:Turn",
+                        f"run.dir={tmp_path}/run"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "env.name" in r.stderr and "tests.test_envs:Turn" in r.stderr
+    assert not (tmp_path / "run").exists()

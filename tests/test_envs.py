@@ -4,6 +4,7 @@ in for the engine here (the end-to-end tests in tests/test_agents.py run vLLM)."
 import asyncio
 import copy
 import functools
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +74,7 @@ def test_tool_errors_and_timeouts_become_observations_not_exceptions():
     r = asyncio.run(run_tool(Tool("boom", boom, ""), {"expression": "1"}))
     assert "RuntimeError: kaput" in r.error
     r = asyncio.run(run_tool(CALCULATOR, {"bad_argument": "1"}))
-    assert "TypeError" in r.error
+    assert r.error == "calculator: bad arguments: 'expression' is a required property"
     r = asyncio.run(run_tool(Tool("long", lambda expression: "9" * 50, "", max_output_chars=10), {"expression": ""}))
     assert r.output.startswith("9" * 10) and "[cut at 10 chars]" in r.output
 
@@ -226,6 +227,33 @@ def test_chat_episode_keeps_sampled_ids_verbatim_when_decode_encode_is_not_the_i
     # rendering of the final conversation, but for the trailing glue after the last sampled token (ChatML's "\n")
     rendered = tok.apply_chat_template(ep.messages, tokenize=False)
     assert tok.decode(ep.token_ids, skip_special_tokens=False) + "\n" == rendered
+
+
+@pytest.mark.parametrize("arguments, problem", [
+    ({}, "'expression' is a required property"),
+    ({"expression": 347}, "expression: 347 is not of type 'string'"),
+    ({"expression": ["347*58"]}, "expression: ['347*58'] is not of type 'string'"),
+])
+def test_tool_arguments_are_checked_against_the_tools_schema(arguments, problem):
+    """A SmolLM2 hermes call whose arguments miss or mistype a parameter: the tool is not called, the observation
+    names the problem, the episode goes on and counts one tool error (env/tool_error_rate)."""
+    called = []
+    tool = Tool("calculator", lambda expression: called.append(expression) or "0", CALCULATOR.description,
+                CALCULATOR.parameters)
+    tok = smollm2_tokenizer()
+    call = tok(f'<tool_call>{{"name": "calculator", "arguments": {json.dumps(arguments)}}}</tool_call>',
+               add_special_tokens=False)["input_ids"]
+    turns = iter([call + [tok.eos_token_id], tok("I cannot tell.", add_special_tokens=False)["input_ids"]
+                  + [tok.eos_token_id]])
+
+    async def generate(context_ids, max_new_tokens):
+        ids = next(turns)
+        return Turn(ids, [-0.1] * len(ids), tok.decode(ids, skip_special_tokens=True))
+
+    ep = asyncio.run(run_episode(ToolEnv([tool]), ChatTemplateRenderer(tok, [tool]), {"prompt": "What is 347 * 58?"},
+                                 0, EpisodeLimits(max_total_tokens=512), generate))
+    assert ep.termination == "done" and ep.tool_calls == 1 and ep.tool_errors == 1 and not called
+    assert ep.messages[2]["content"] == f"calculator: bad arguments: {problem}"
 
 
 def test_a_template_that_re_renders_earlier_turns_is_refused():

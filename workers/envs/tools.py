@@ -52,10 +52,26 @@ def load_tool(spec: str) -> Tool:
     return obj
 
 
+def argument_errors(tool: Tool, arguments: dict) -> str | None:
+    """Why ``arguments`` do not fit the tool's JSON schema (missing, ill-typed or unknown-when-forbidden
+    arguments), in one line; None when they fit."""
+    import jsonschema
+
+    validator = jsonschema.validators.validator_for(tool.parameters)(tool.parameters)
+    problems = sorted(validator.iter_errors(arguments), key=lambda e: list(e.path))
+    if not problems:
+        return None
+    said = "; ".join((f"{'.'.join(map(str, e.path))}: " if e.path else "") + e.message for e in problems[:3])
+    return f"{tool.name}: bad arguments: {said}"[:500]
+
+
 async def run_tool(tool: Tool, arguments: dict) -> ToolResult:
-    """Run one call in a thread under the tool's timeout. Never raises: a timeout, an exception or bad arguments
-    become ``error``; the output is cut to ``max_output_chars`` (marked)."""
+    """Run one call in a thread under the tool's timeout. Never raises: arguments that do not fit the tool's JSON
+    schema, a timeout or an exception become ``error`` (the tool is not called with bad arguments); the output is
+    cut to ``max_output_chars`` (marked)."""
     t0 = time.perf_counter()
+    if (error := argument_errors(tool, arguments)) is not None:
+        return ToolResult("", error, time.perf_counter() - t0)
     try:
         out = str(await call(tool.fn, timeout_s=tool.timeout_s, **arguments))
         error = None
