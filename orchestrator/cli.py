@@ -131,12 +131,28 @@ def _eval_parsers(sub) -> None:
                         "previous stage's model; rerun the same command to resume after a crash")
     pl.add_argument("-c", "--config", required=True, help="recipe YAML: base config and stages")
     pl.add_argument("overrides", nargs="*", help="dotted overrides applied to every stage")
-    da = sub.add_parser("data", help="write training data: cold-start SFT rows for a built-in task")
-    da.add_argument("action", choices=["cold-start"])
-    da.add_argument("--task", required=True, help="built-in task (arithmetic, countdown)")
+    da = sub.add_parser("data", help="write training data for a built-in task: cold-start SFT rows (step-by-step "
+                        "answers), or tool demonstrations (chat conversations calling env.tools)")
+    da.add_argument("action", choices=["cold-start", "tool-demos"])
+    da.add_argument("-c", "--config", help="config YAML (tool-demos: its data.task, data.system_prompt, env.tools)")
+    da.add_argument("--task", help="built-in task (cold-start: arithmetic, countdown; tool-demos: multiply, "
+                    "arithmetic); default: the config's data.task")
     da.add_argument("--n", type=int, required=True, help="rows")
     da.add_argument("--out", required=True, help="JSONL file to write")
     da.add_argument("overrides", nargs="*", help="data.* overrides, e.g. data.prompt_style=text")
+
+
+def _data_command(args) -> int:
+    cfg = load_config(args.config, [*([f"data.task={args.task}"] if args.task else []), *args.overrides])
+    if args.action == "tool-demos":
+        from orchestrator.recipes.tool_demos import write_tool_demos
+
+        print(json.dumps(write_tool_demos(cfg, args.n, args.out, cfg.data.seed)))
+        return 0
+    from orchestrator.recipes.cold_start import write_cold_start
+
+    print(json.dumps(write_cold_start(cfg.data, args.n, args.out, cfg.data.seed)))
+    return 0
 
 
 def _eval_command(args, cfg: FleetConfig) -> int:
@@ -295,11 +311,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_pipeline(args.config, args.overrides)
         if args.command == "data":
-            from orchestrator.recipes.cold_start import write_cold_start
-
-            cfg = load_config(None, [f"data.task={args.task}", *args.overrides])
-            print(json.dumps(write_cold_start(cfg.data, args.n, args.out, cfg.data.seed)))
-            return 0
+            return _data_command(args)
         if args.command == "config" and args.action == "docs":
             from orchestrator.config_docs import config_reference_markdown
 

@@ -309,3 +309,49 @@ def test_a_group_with_an_errored_episode_gets_zero_loss_and_the_metrics_count_it
     assert m["env/errored_frac"] == 0.25 and m["env/tool_call_rate"] == 0.5 and m["env/tool_calls_mean"] == 0.75
     assert m["env/termination/done"] == 0.5 and m["env/termination/timeout"] == 0.25
     assert m["env/truncated_frac"] == 0.25 and m["env/observation_token_frac"] == 9 / 16
+
+
+def test_tool_demo_sft_trains_exactly_the_tokens_a_tool_episode_samples(tmp_path):
+    """`fleetrl data tool-demos` rows rendered for SFT on SmolLM2's real template: the trained sequence is token for
+    token the episode a policy writing the same turns produces in the tool environment, and the loss mask is the
+    episode's: the two assistant turns (each with its <|im_end|>) trained; the system prompt, the question, the
+    tool result and the template's glue not."""
+    from orchestrator.config import load_config
+    from orchestrator.recipes.data import ExampleRenderer, load_sft_rows
+    from orchestrator.recipes.tool_demos import write_tool_demos
+
+    cfg = load_config(ROOT / "configs/smollm2_tool.yaml", [f"model.path={SMOLLM2}"])
+    out = tmp_path / "demos.jsonl"
+    write_tool_demos(cfg, 4, out)
+    rows = load_sft_rows(out)
+    tok = smollm2_tokenizer()
+    for row in rows:
+        msgs = row["messages"]
+        ex = ExampleRenderer(tok, "chat", cfg.data.system_prompt).sft(msgs, row["tools"])
+        turns = [tok(m["content"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                 for m in msgs if m["role"] == "assistant"]
+        renderer = ChatTemplateRenderer(tok, [CALCULATOR], cfg.data.system_prompt)
+        ep = asyncio.run(run_episode(ToolEnv([CALCULATOR]), renderer, {"prompt": msgs[0]["content"]}, 0,
+                                     EpisodeLimits(max_total_tokens=512), writes(tok, turns)))
+        assert ep.termination == "done" and ep.tool_calls == 1 and ep.tool_errors == 0
+        tool_msgs = [m["content"] for m in ep.messages if m["role"] == "tool"]
+        assert tool_msgs == [msgs[2]["content"]]  # the demo's result is the one the real tool returns
+        assert ex.prompt_ids == ep.token_ids[:ep.prompt_len]
+        completion = ep.token_ids[ep.prompt_len:]
+        assert ex.completion_ids[:len(completion)] == completion
+        assert ex.loss_mask[:len(completion)] == ep.mask[ep.prompt_len:]
+        # what SFT adds after the episode's end is the template's last glue ("\n"), untrained
+        assert tok.decode(ex.completion_ids[len(completion):]) == "\n" and not any(ex.loss_mask[len(completion):])
+        trained = [t for t, m in zip(ex.completion_ids, ex.loss_mask) if m]
+        assert trained == turns[0] + turns[1]  # the tool result between them (same digits as the answer) is not
+
+
+def writes(tok, turns: list[list[int]]):
+    """A policy that samples exactly ``turns`` (token ids), one per call."""
+    sampled = iter(turns)
+
+    async def generate(context_ids, max_new_tokens):
+        ids = next(sampled)
+        return Turn(ids, [-0.1] * len(ids), tok.decode(ids, skip_special_tokens=True))
+
+    return generate

@@ -33,10 +33,11 @@ class PromptRenderer:
             msgs.insert(0, {"role": "system", "content": self.system_prompt})
         return msgs
 
-    def render(self, prompt: str | Messages) -> tuple[str, list[int]]:
-        """``(text, token ids)`` exactly as the engine gets them."""
+    def render(self, prompt: str | Messages, tools: list[dict] | None = None) -> tuple[str, list[int]]:
+        """``(text, token ids)`` exactly as the engine gets them; ``tools``: function schemas the chat template
+        renders (as a tool episode's renderer passes them)."""
         if self.chat:
-            text = self.tokenizer.apply_chat_template(self.messages(prompt), add_generation_prompt=True,
+            text = self.tokenizer.apply_chat_template(self.messages(prompt), tools=tools, add_generation_prompt=True,
                                                       tokenize=False)
             return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not isinstance(prompt, str):

@@ -1,7 +1,7 @@
 """Supervised and preference data: JSONL rows checked line by line, rendered to the learner's token layout.
 
 SFT rows: ``{"prompt": str | messages, "response": str}`` or ``{"messages": [...]}`` (roles system, user,
-assistant; at least one assistant turn). Preference rows: ``{"prompt", "chosen", "rejected"}``, each a string or
+assistant, tool; at least one assistant turn). Preference rows: ``{"prompt", "chosen", "rejected"}``, each a string or
 a message list (the chosen/rejected list is the assistant's turn(s) after the prompt).
 
 Rendering follows the RL prompts exactly (:class:`workers.prompts.PromptRenderer`: the tokenizer's chat template,
@@ -19,7 +19,7 @@ from pathlib import Path
 from rewards.datasets import DatasetError, json_object
 from workers.prompts import PromptRenderer
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass
@@ -63,6 +63,22 @@ def _check_messages(messages, where: str, need_assistant: bool) -> list[dict]:
     return messages
 
 
+def _check_tools(tools, where: str) -> list[str] | None:
+    """A row's ``tools``: None, or names of tools (built-in or ``package.module:tool``) that load."""
+    if tools is None:
+        return None
+    from workers.envs.tools import load_tool
+
+    if not isinstance(tools, list) or not all(isinstance(t, str) for t in tools):
+        raise DatasetError(f"{where}: 'tools' must be a list of tool names, got {tools!r:.120}")
+    for t in tools:
+        try:
+            load_tool(t)
+        except (KeyError, ValueError) as e:
+            raise DatasetError(f"{where}: 'tools': {e.args[0]}") from None
+    return tools
+
+
 def _text_or_messages(value, where: str, key: str, need_assistant: bool = False):
     if isinstance(value, str):
         if not value.strip():
@@ -77,7 +93,8 @@ def load_sft_rows(path: str | Path) -> list[dict]:
     for n, row in read_jsonl(path, "SFT data"):
         where = f"{path}:{n}"
         if "messages" in row:
-            out.append({"messages": _check_messages(row["messages"], where, need_assistant=True)})
+            out.append({"messages": _check_messages(row["messages"], where, need_assistant=True),
+                        "tools": _check_tools(row.get("tools"), where)})
         elif "prompt" in row and "response" in row:
             prompt = _text_or_messages(row["prompt"], where, "prompt")
             response = _text_or_messages(row["response"], where, "response")
@@ -125,18 +142,23 @@ class ExampleRenderer:
         self.tokenizer = tokenizer
         self.eos = tokenizer.eos_token_id
 
-    def sft(self, messages: list[dict]) -> Example:
-        """Prompt = the messages before the first assistant turn; completion = the rest, assistant tokens trained."""
+    def sft(self, messages: list[dict], tools: list[str] | None = None) -> Example:
+        """Prompt = the messages before the first assistant turn; completion = the rest, assistant tokens trained
+        (tool results, the prompt and the template's glue masked). ``tools``: the names of the tools the
+        conversation offers (``env.tools``), rendered by the chat template as a tool episode renders them."""
+        from workers.envs.tools import load_tool
+
+        schemas = [load_tool(t).schema() for t in tools] if tools else None
         first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
         head = messages[:first]
         prompt = head[-1]["content"] if not self.prompts.chat and _single_user(head) else head
         if not self.prompts.chat and not (_single_user(head) and len(messages) == first + 1):
             raise DatasetError("a multi-turn (or system) row needs a chat template: this tokenizer has none "
                                "(data.prompt_format raw); give prompt/response rows")
-        prompt_ids = self.prompts.render(prompt)[1]
+        prompt_ids = self.prompts.render(prompt, schemas)[1]
         if not self.prompts.chat:
             return self._example(prompt_ids, [(messages[first]["content"], True)])
-        return self._example(prompt_ids, self._chat_segments(self.prompts.messages(head), messages[first:]))
+        return self._example(prompt_ids, self._chat_segments(self.prompts.messages(head), messages[first:], schemas))
 
     def completion(self, prompt, response) -> Example:
         """A preference side: the prompt (string or messages) and a response (string or assistant messages)."""
@@ -144,11 +166,11 @@ class ExampleRenderer:
         tail = [{"role": "assistant", "content": response}] if isinstance(response, str) else list(response)
         return self.sft([*head, *tail])
 
-    def _chat_segments(self, head: list[dict], rest: list[dict]) -> list[tuple[str, bool]]:
+    def _chat_segments(self, head: list[dict], rest: list[dict], tools: list[dict] | None) -> list[tuple[str, bool]]:
         """The text the template adds for each message after ``head`` (and the generation prompt before each
         assistant turn), with whether it is trained."""
         def render(msgs, gen):
-            return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
+            return self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen, tokenize=False)
 
         segments, convo = [], list(head)
         for m in rest:

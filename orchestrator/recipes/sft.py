@@ -46,7 +46,7 @@ def render_rows(path: str, renderer: ExampleRenderer) -> list[Example]:
     out = []
     for i, row in enumerate(load_sft_rows(path)):
         try:
-            out.append(renderer.sft(row["messages"]))
+            out.append(renderer.sft(row["messages"], row.get("tools")))
         except DatasetError as e:
             raise DatasetError(f"{path}: row {i + 1}: {e}") from e
     return out
