@@ -96,12 +96,54 @@ def startup_profile(result: dict) -> str:
     return f"{provenance(result['meta'])}\n\n{phases}\n\nReady: {ready}.\n\n{cpu}\n"
 
 
+def learner_memory(result: dict) -> str:
+    """docs section 7: memory and time of one update per learner layout (torch only, one process)."""
+    rows = [[r["variant"], r["peak_rss_mb"], r["update_peak_mb"], r["update_s"],
+             f"{r.get('max_logp_diff_vs_naive', 0.0):.1e}"] for r in result["results"]]
+    base = result["results"][0]
+    for row, r in zip(rows, result["results"]):
+        row[3:3] = [round(base["update_peak_mb"] / max(r["update_peak_mb"], 1), 2)]
+        row.insert(5, round(base["update_s"] / r["update_s"], 2))
+    table = markdown_table(["variant", "peak RSS MB", "update peak MB", "memory x lower", "s/update", "speed-up",
+                            "max \\|dlogp\\| vs naive"], rows)
+    return (f"{provenance(result['meta'])} {result['samples']} samples, responses <= {result['max_response']} "
+            f"tokens, `{result['model']}`.\n\n{table}\n")
+
+
+def learner_overhead(result: dict) -> str:
+    """docs section 10: fleetrl's DeepSpeed update against a plain torch loop, per ranks x threads and ZeRO knob."""
+    base = result["results"][0]
+    rows = [[r["variant"], r["update_s"], f"{r['update_s'] / base['update_s']:.2f}",
+             " + ".join(str(p) for p in r["peak_rss_mb"]), f"{r['max_logp_diff_vs_torch']:.1e}"]
+            for r in result["results"]]
+    table = markdown_table(["variant", "s/update (median)", "x torch loop", "peak RSS MB per process",
+                            "max \\|dlogp\\| vs torch loop"], rows)
+    return (f"{provenance(result['meta'])} {result['samples']} samples x {result['response']} response tokens, "
+            f"`{result['model']}`, fp32, median of {result['repeats']} updates after a warm-up.\n\n{table}\n")
+
+
+def smollm2(result: dict) -> str:
+    """docs section 8: fleetrl vs TRL's GRPOTrainer on SmolLM2 (s/step, completions/s, peak memory)."""
+    f, t = result["fleetrl"], result["trl"]
+    rows = [["fleetrl (2 engines, 2 ZeRO-2 ranks)", f["step_s"], f["completions_per_s"],
+             f"learner rank {round(f['learner_peak_rss_mb'])} (all {len(f['peak_rss_mb'])} actors together "
+             f"{round(sum(f['peak_rss_mb'].values()))})", f.get("rollout_tokens_per_s", ""), f.get("push_s", "")],
+            ["TRL GRPOTrainer", t["step_s"], t["completions_per_s"], f"{round(t['peak_rss_mb'])} (its one process)",
+             "", ""]]
+    table = markdown_table(["system", "s/step", "completions/s", "peak memory MB", "rollout tok/s", "push s"], rows)
+    return (f"{provenance(result['meta'])} {result['P']} prompts x G={result['G']}, completions <= {result['L']} "
+            f"tokens; fleetrl / TRL completions per second: {result['ratio_completions_per_s']:.2f}.\n\n{table}\n")
+
+
 TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "end_to_end": ("end_to_end.json", end_to_end),
     "smollm2_demo": ("smollm2_demo.json", smollm2_demo),
     "startup": ("startup.json", startup),
     "startup_models": ("startup_models.json", startup),
     "startup_profile": ("startup_profile.json", startup_profile),
+    "learner_memory": ("learner_memory.json", learner_memory),
+    "learner_overhead": ("learner_overhead.json", learner_overhead),
+    "smollm2": ("smollm2.json", smollm2),
 }
 """Table name -> (result file in bench/results, renderer)."""
 

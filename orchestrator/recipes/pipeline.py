@@ -7,7 +7,8 @@ A recipe is YAML::
     stages:
       - name: cold_start
         kind: sft                 # sft | rl | rft | distill | dpo
-        cold_start: 2000          # sft only: write this many verified rows of the task first (fleetrl data)
+        cold_start: 2000          # sft only: write this many verified rows of the task first (fleetrl data);
+                                  # or tool_demos: N, tool demonstrations for env.tools (fleetrl data tool-demos)
         overrides: {trainer.total_steps: 60}
 
 Each stage is ``base`` + its ``overrides`` + the command line's overrides (applied to every stage, so
@@ -43,7 +44,9 @@ from rewards.datasets import DatasetError
 COMMANDS = {"sft": "sft", "rl": "train", "rft": "rft", "distill": "distill", "dpo": "train"}
 """Stage kind -> the `fleetrl` command that runs it."""
 RECIPE_KEYS = {"base", "stages", "description"}
-STAGE_KEYS = {"name", "kind", "overrides", "cold_start"}
+DATA_KEYS = ("cold_start", "tool_demos")
+"""Stage keys that make an sft stage write its own data first (``N`` rows, ``fleetrl data <key>``)."""
+STAGE_KEYS = {"name", "kind", "overrides", *DATA_KEYS}
 
 
 @dataclass
@@ -52,7 +55,7 @@ class Stage:
     name: str
     kind: str
     cfg: FleetConfig
-    cold_start: int | None = None
+    writes: tuple[str, int] | None = None  # (a DATA_KEYS entry, rows): data this sft stage writes first
 
     @property
     def dir(self) -> Path:
@@ -121,12 +124,32 @@ def load_recipe(path: str | Path, cli_overrides: list[str]) -> list[Stage]:
             tree.setdefault("model", {})["path"] = str(out[-1].dir / "final")
         if not any(o.startswith("data.seed=") for o in ovs):  # each stage its own prompts, not stage 1's again
             tree["data"]["seed"] = root["data"]["seed"] + i
-        cold = raw.get("cold_start")
-        if cold is not None and (kind != "sft" or not isinstance(cold, int) or cold < 1):
-            raise ConfigError(f"{where}: cold_start (rows to write) is for sft stages, a positive integer")
         cfg = FleetConfig.model_validate(tree)
-        out.append(Stage(i + 1, name, kind, cfg, cold))
+        out.append(Stage(i + 1, name, kind, cfg, _writes(raw, kind, where)))
     return out
+
+
+def _writes(raw: dict, kind: str, where: str) -> tuple[str, int] | None:
+    given = [k for k in DATA_KEYS if raw.get(k) is not None]
+    if not given:
+        return None
+    n = raw[given[0]]
+    if len(given) > 1 or kind != "sft" or not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"{where}: {' / '.join(DATA_KEYS)} (rows to write) is for sft stages, one of them, a "
+                          f"positive integer; got {dict((k, raw[k]) for k in given)}")
+    return given[0], n
+
+
+def write_stage_data(kind: str, cfg: FleetConfig, n: int, out: Path) -> None:
+    """The data an sft stage writes first: cold-start rows or tool demonstrations of its task."""
+    if kind == "tool_demos":
+        from orchestrator.recipes.tool_demos import write_tool_demos
+
+        write_tool_demos(cfg, n, out, cfg.data.seed)
+    else:
+        from orchestrator.recipes.cold_start import write_cold_start
+
+        write_cold_start(cfg.data, n, out, cfg.data.seed)
 
 
 def _stage_tree(base: dict, overrides: list[str], where: str) -> dict:
@@ -150,9 +173,9 @@ def check_inputs(stages: list[Stage]) -> None:
     for st in stages:
         where = f"stage {st.index} ({st.name})"
         try:
-            if st.kind == "sft" and st.cold_start is None:
+            if st.kind == "sft" and st.writes is None:
                 if not st.cfg.sft.data:
-                    raise ConfigError("sft.data: give a JSONL file, or cold_start: N to write one")
+                    raise ConfigError("sft.data: give a JSONL file, or cold_start: N / tool_demos: N to write one")
                 load_sft_rows(st.cfg.sft.data)
             if st.kind == "dpo" and st.cfg.algorithm.pairs:
                 load_pairs(st.cfg.algorithm.pairs)
@@ -197,7 +220,7 @@ def _prepare(st: Stage) -> list[str]:
     found = ckpt.complete_checkpoints(st.dir) if st.dir.exists() else []
     if found:
         return ["--resume", str(found[-1])]
-    keep = {"distill_data.jsonl", "distill.json", "cold_start.jsonl"}
+    keep = {"distill_data.jsonl", "distill.json", *(f"{k}.jsonl" for k in DATA_KEYS)}
     if st.dir.exists():  # a start that wrote no checkpoint: begin the stage again
         for p in st.dir.iterdir():
             if p.name not in keep:
@@ -206,15 +229,14 @@ def _prepare(st: Stage) -> list[str]:
 
 
 def run_stage(st: Stage, summary: Summary, row: dict) -> None:
-    from orchestrator.recipes.cold_start import write_cold_start
-
     extra = _prepare(st)
     st.dir.mkdir(parents=True, exist_ok=True)
     cfg = st.cfg
-    if st.cold_start:
-        data = st.dir / "cold_start.jsonl"
+    if st.writes:
+        kind, n = st.writes
+        data = st.dir / f"{kind}.jsonl"
         if not data.exists():
-            write_cold_start(cfg.data, st.cold_start, data, cfg.data.seed)
+            write_stage_data(kind, cfg, n, data)
         tree = cfg.model_dump(mode="json")
         tree["sft"]["data"] = str(data)
         cfg = FleetConfig.model_validate(tree)
