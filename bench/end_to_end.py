@@ -38,7 +38,7 @@ FULL = {
     "small": dict(config="configs/default.yaml", model=EMBEDDED, preset=None, P=16, G=8, L=8, steps=20,
                   trl_steps=30, skip=5),
     "gen_heavy": dict(config="configs/gen_heavy.yaml", model=str(model_path("gen-heavy")), preset="gen-heavy",
-                      P=8, G=8, L=128, steps=4, trl_steps=3, skip=1),
+                      P=8, G=8, L=128, steps=6, trl_steps=5, skip=1),
 }
 QUICK = {
     "small": dict(FULL["small"], steps=4, trl_steps=4, skip=1),
