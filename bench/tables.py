@@ -25,9 +25,11 @@ _BLOCK = re.compile(r"(<!-- bench:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /be
 
 def provenance(meta: dict) -> str:
     """Where a result file's numbers come from: CPU, commit, date (older files did not record the first two)."""
-    cpu = meta.get("cpu", "CPU not recorded")
-    commit = meta.get("commit", "commit not recorded")
-    return f"*Measured on {cpu}, {meta.get('cpus', '?')} cores, commit `{commit}`, {meta.get('time', '?')}.*"
+    if "cpu" not in meta:
+        return (f"*Measured {meta.get('time', '?')}, {meta.get('cpus', '?')} cores; an older result file: CPU and "
+                "commit not recorded.*")
+    return f"*Measured on {meta['cpu']}, {meta.get('cpus', '?')} cores, commit `{meta.get('commit', '?')}`, " \
+           f"{meta.get('time', '?')}.*"
 
 
 def end_to_end(result: dict) -> str:
