@@ -1,10 +1,11 @@
-"""The benchmark tables of docs/BENCHMARKS.md, generated from ``bench/results/*.json`` (numbers that cannot go
-stale: a table is rewritten from the result file it shows, with the CPU, commit and date that file records).
+"""The benchmark tables of docs/BENCHMARKS.md (and the README's benchmark line), generated from
+``bench/results/*.json`` (numbers that cannot go stale: a table is rewritten from the result file it shows, with
+the CPU, commit and date that file records).
 
 A generated table sits between ``<!-- bench:NAME -->`` and ``<!-- /bench -->`` in the doc; :data:`TABLES` maps
 NAME to the function that renders it from its result file.
 
-    python -m bench.tables            # rewrite the tables of docs/BENCHMARKS.md from bench/results
+    python -m bench.tables            # rewrite the tables of docs/BENCHMARKS.md and README.md from bench/results
     python -m bench.tables --check    # exit 1 when a table differs from its result file (tests/test_docs.py)
 """
 
@@ -137,6 +138,16 @@ def smollm2(result: dict) -> str:
             f"tokens; fleetrl / TRL completions per second: {result['ratio_completions_per_s']:.2f}.\n\n{table}\n")
 
 
+def readme_end_to_end(result: dict) -> str:
+    """README: the generation-heavy row of section 2 in one line, with its machine."""
+    runs = {r["system"]: r for r in result["gen_heavy"]["runs"]}
+    f, trl = runs["fleetrl (sync, fp32)"], runs["TRL GRPOTrainer (fp32)"]
+    return (f"End to end against TRL's `GRPOTrainer` on the generation-heavy config, all fp32 (docs/BENCHMARKS.md "
+            f"section 2): **{f['completions_per_s'] / trl['completions_per_s']:.2f}x TRL's completions/s** "
+            f"({f['step_s']:.1f} vs {trl['step_s']:.1f} s per step; update {f['learner_s']:.1f} vs "
+            f"{trl['learner_s']:.1f} s), on {result['meta']['cpu']}, commit `{result['meta']['commit']}`.\n")
+
+
 TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "end_to_end": ("end_to_end.json", end_to_end),
     "smollm2_demo": ("smollm2_demo.json", smollm2_demo),
@@ -146,8 +157,11 @@ TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "learner_memory": ("learner_memory.json", learner_memory),
     "learner_overhead": ("learner_overhead.json", learner_overhead),
     "smollm2": ("smollm2.json", smollm2),
+    "readme_end_to_end": ("end_to_end.json", readme_end_to_end),
 }
 """Table name -> (result file in bench/results, renderer)."""
+DOCS = [DOC, Path("README.md")]
+"""The pages whose ``<!-- bench:NAME -->`` blocks are generated."""
 
 
 def render(doc: str, results_dir: Path = RESULTS_DIR) -> str:
@@ -168,15 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="only check; exit 1 when a table is stale")
     args = ap.parse_args(argv)
-    doc = DOC.read_text()
-    new = render(doc)
+    stale = [page for page in DOCS if render(page.read_text()) != page.read_text()]
     if args.check:
-        if new != doc:
-            print(f"{DOC}: a generated table differs from bench/results; run `python -m bench.tables`", file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(new)
-    print(f"rewrote the generated tables of {DOC}")
+        for page in stale:
+            print(f"{page}: a generated table differs from bench/results; run `python -m bench.tables`",
+                  file=sys.stderr)
+        return 1 if stale else 0
+    for page in stale:
+        page.write_text(render(page.read_text()))
+    print(f"rewrote the generated tables of {', '.join(map(str, stale)) or 'nothing (all current)'}")
     return 0
 
 

@@ -88,6 +88,9 @@ def test_benchmark_tables_are_generated_from_their_results(tmp_path):
     doc = (ROOT / "docs" / "BENCHMARKS.md").read_text()
     assert "<!-- bench:end_to_end -->" in doc
     assert render_tables(doc, ROOT / "bench" / "results") == doc, "run `python -m bench.tables`"
+    readme = (ROOT / "README.md").read_text()
+    assert "<!-- bench:readme_end_to_end -->" in readme
+    assert render_tables(readme, ROOT / "bench" / "results") == readme, "run `python -m bench.tables`"
     result = {"meta": {"cpu": "Test CPU (AVX2)", "commit": "abc", "time": "t", "cpus": 2},
               "gen_heavy": {"runs": [{"system": "fleetrl (sync, fp32)", "step_s": 10.0, "completions_per_s": 6.4,
                                       "mean_len": 128}, {"system": "TRL GRPOTrainer (fp32)", "step_s": 20.0,
