@@ -355,3 +355,23 @@ def writes(tok, turns: list[list[int]]):
         return Turn(ids, [-0.1] * len(ids), tok.decode(ids, skip_special_tokens=True))
 
     return generate
+
+
+def test_a_tool_call_cut_by_the_length_cap_calls_nothing_and_ends_the_episode_truncated():
+    """SmolLM2 writes a hermes call that the per-turn cap cuts before </tool_call>: no tool runs, no observation or
+    glue is appended, the episode ends `truncated` with its sampled tokens kept verbatim and trained."""
+    called = []
+    tool = Tool("calculator", lambda expression: called.append(expression) or "0", CALCULATOR.description,
+                CALCULATOR.parameters)
+    tok = smollm2_tokenizer()
+    full = tok('<tool_call>{"name": "calculator", "arguments": {"expression": "347*58"}}</tool_call>',
+               add_special_tokens=False)["input_ids"]
+    cut = full[:12]
+
+    async def generate(context_ids, max_new_tokens):
+        return Turn(cut, [-0.1] * len(cut), tok.decode(cut, skip_special_tokens=True), "length")
+
+    ep = asyncio.run(run_episode(ToolEnv([tool]), ChatTemplateRenderer(tok, [tool]), {"prompt": "What is 347 * 58?"},
+                                 0, EpisodeLimits(max_total_tokens=512, max_new_tokens=12), generate))
+    assert ep.termination == "truncated" and ep.tool_calls == 0 and not called
+    assert ep.token_ids[ep.prompt_len:] == cut and ep.mask[ep.prompt_len:] == [1] * len(cut)
