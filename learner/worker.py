@@ -7,6 +7,7 @@ only in what the driver puts in the batch.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -31,8 +32,10 @@ class LearnerWorker(LoggedActor):
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
                  dtype: str, ds_config: dict, loss_kwargs: dict, temperature: float, seed: int, torch_threads: int,
                  gradient_checkpointing: bool = False, role: str = "actor", reference: bool = True,
-                 autocast: str | None = None, layout: Layout | None = None):
-        """``role="actor"``: causal LM policy + frozen reference, trained with ``policy_loss(**loss_kwargs)``.
+                 autocast: str | None = None, layout: Layout | None = None, lora: dict | None = None):
+        """``role="actor"``: causal LM policy + frozen reference, trained with ``policy_loss(**loss_kwargs)``;
+        ``lora`` (:meth:`orchestrator.lora_config.LoraSection.spec`): PEFT adapters on it, the base frozen and
+        serving as the reference with the adapters off (:mod:`learner.lora`).
         ``role="critic"``: the same architecture with a scalar head (initialized from the policy weights, head
         fresh), trained with ``value_loss(**loss_kwargs)``. ``layout``: packing, logprob chunking, token-budget
         micro-batches (:class:`learner.packing.Layout`)."""
@@ -57,20 +60,31 @@ class LearnerWorker(LoggedActor):
         self.role = role
         self.autocast = getattr(torch, autocast) if autocast else None  # mixed precision: compute dtype
         self.ref = None  # the frozen reference policy, only when a KL term reads it (or KL is logged)
+        self.peft = None  # the PEFT model when the policy trains LoRA adapters
+        self.has_ref = reference and role != "critic"
         if role == "critic":
             self.hf_model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch_dtype)
             model = self.hf_model
         else:
             self.hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+            _disable_dropout(self.hf_model)  # the learner's logprobs must equal the engine's (and the old policy's)
+            if lora:
+                from learner.lora import add_adapters, checkpoint_adapters_only
+
+                self.peft = add_adapters(self.hf_model, lora)  # the reference is the base: adapters off
             model = HiddenStatesLM(self.hf_model)  # the engine's forward gives hidden states; the head runs chunked
-            if reference:
+            if lora:
+                checkpoint_adapters_only(model)  # a checkpoint holds the adapters, not the frozen base
+            if reference and not lora:
                 lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
                 self.ref = HiddenStatesLM(lm.requires_grad_(False))
         if gradient_checkpointing:
             self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # from_pretrained returns eval mode, where transformers skips gradient checkpointing
-        _disable_dropout(model)  # the learner's logprobs must equal the engine's (and the old policy's)
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+        if role == "critic":
+            _disable_dropout(model)
+        trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
         _load_checkpoints_weights_only(self.engine)
         # the registered loss (learner.losses.LOSSES) this group trains with, and its settings
         self.objective = loss_kwargs.get("objective", "value" if role == "critic" else "policy")
@@ -90,6 +104,14 @@ class LearnerWorker(LoggedActor):
         :func:`learner.forward.policy_logprobs`). Training passes go through the engine (``model`` is
         ``self.engine``), no-grad passes may call its module."""
         return policy_logprobs(model, mb, self.layout, self.temperature, with_entropy, self.device, self.autocast)
+
+    def _ref_logprobs(self, mb: TrainBatch):
+        """The reference policy's logprobs ``[b, T]`` (no grad): the frozen copy, or with LoRA the policy with its
+        adapters switched off."""
+        import torch
+
+        with torch.no_grad(), self.peft.disable_adapter() if self.peft else contextlib.nullcontext():
+            return self._forward(self.engine if self.peft else self.ref, mb)[0]
 
     def _values(self, model, mb: TrainBatch):
         return critic_values(model, mb, self.layout, self.device, self.autocast)
@@ -125,8 +147,8 @@ class LearnerWorker(LoggedActor):
         with torch.no_grad():
             for mb in self._micro(shard, micro_batch_size):
                 old.append(self._forward(self.engine, mb)[0].cpu())
-                if self.ref is not None:
-                    ref.append(self._forward(self.ref, mb)[0].cpu())
+                if self.has_ref:
+                    ref.append(self._ref_logprobs(mb).cpu())
         return {"old_logprobs": _concat(old, shard), "ref_logprobs": _concat(ref, shard) if ref else None}
 
     # ---- training -------------------------------------------------------------------------------------
@@ -205,13 +227,11 @@ class LearnerWorker(LoggedActor):
         (no separate round trip); when it sent no old logprobs (a batch used once) this first pass's own logprobs
         are the old ones. On the first pass over a policy-gradient batch (weights not yet updated) the largest
         |learner - engine| logprob gap of the sampled tokens is measured for free."""
-        import torch
 
         from learner.losses import call_loss
 
-        if mb.ref_logprobs is None and self.ref is not None:
-            with torch.no_grad():
-                mb = replace(mb, ref_logprobs=self._forward(self.ref, mb)[0])
+        if mb.ref_logprobs is None and self.has_ref:
+            mb = replace(mb, ref_logprobs=self._ref_logprobs(mb))
         logp, entropy = self._forward(self.engine, mb, with_entropy=self.with_entropy)
         mb = mb.to(self.device)
         if mb.old_logprobs is None and self.objective == "policy":  # used once: the current policy is the old one
@@ -235,20 +255,33 @@ class LearnerWorker(LoggedActor):
         return value_loss(values, mb.old_values, mb.returns, mb.response_mask, mb.scale, **self.loss_kwargs)
 
     # ---- weights out ----------------------------------------------------------------------------------
-    def _gathered(self, bucket_mb: float):
-        """``(plan, full tensors)`` per weight bucket (:func:`workers.weight_buckets.gathered_buckets`), gathered
-        from ZeRO-3 shards where needed. Every rank must walk all of it (the gather is collective); only rank 0's
-        tensors are used."""
+    def _weights(self, push: bool = True):
+        """``(specs, tensors by name, gather)`` of the policy in the base model's format: its parameters, or with
+        LoRA the merged weights (``push``: the adapted layers' only, the rest never changes). ``gather`` is the
+        ZeRO-3 context to read full tensors in (None: they are whole, or the mapping gathers itself)."""
         import deepspeed
 
-        from workers import weight_buckets as wb
+        from workers.weight_buckets import param_specs
 
         def gather(params):
             return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
-        plans = wb.plan_buckets(wb.param_specs(self.hf_model.named_parameters()), int(bucket_mb * 2**20))
-        return wb.gathered_buckets(plans, dict(self.hf_model.named_parameters()),
-                                   gather if self.zero_stage == 3 else None)
+        gather = gather if self.zero_stage == 3 else None
+        if self.peft is None:
+            return param_specs(self.hf_model.named_parameters()), dict(self.hf_model.named_parameters()), gather
+        from learner.lora import merged_weights
+
+        merged = merged_weights(self.hf_model, adapted_only=push, gather=gather)
+        return merged.specs(), merged, None
+
+    def _gathered(self, bucket_mb: float, push: bool = True):
+        """``(plan, full tensors)`` per weight bucket (:func:`workers.weight_buckets.gathered_buckets`), gathered
+        from ZeRO-3 shards where needed. Every rank must walk all of it (the gather is collective); only rank 0's
+        tensors are used."""
+        from workers import weight_buckets as wb
+
+        specs, tensors, gather = self._weights(push)
+        return wb.gathered_buckets(wb.plan_buckets(specs, int(bucket_mb * 2**20)), tensors, gather)
 
     def weight_buckets(self, bucket_mb: float) -> list:
         """Put the current weights into Ray's object store as packed buckets; rank 0 returns the ObjectRefs."""
@@ -261,10 +294,8 @@ class LearnerWorker(LoggedActor):
 
     # ---- collective weight push (rollout.weight_sync=collective) ---------------------------------------
     def weight_specs(self) -> list:
-        """(name, full shape, dtype) of every parameter, in push order."""
-        from workers.weight_buckets import param_specs
-
-        return param_specs(self.hf_model.named_parameters())
+        """(name, full shape, dtype) of every tensor a push sends, in push order."""
+        return self._weights()[0]
 
     def weight_endpoint(self) -> tuple[str, int]:
         """Rank 0: bind the weight group's rendezvous socket; returns (host, port) for the engines."""
@@ -283,28 +314,38 @@ class LearnerWorker(LoggedActor):
 
     def broadcast_weights(self, plans: list) -> int:
         """Every rank calls this (the ZeRO-3 gather is collective); rank 0 broadcasts each bucket."""
-        import deepspeed
-
         from workers import nccl_sync
 
-        def gather(params):
-            return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-
+        _, tensors, gather = self._weights()
         return nccl_sync.broadcast_weights(getattr(self, "_weight_comm", None) if self.rank == 0 else None, plans,
-                                           dict(self.hf_model.named_parameters()),
-                                           gather if self.zero_stage == 3 else None)
+                                           tensors, gather)
 
     def save_hf(self, out_dir: str) -> str | None:
-        """Write the policy as an HF directory (safetensors + tokenizer), gathered from all ranks."""
+        """Write the policy as an HF directory (safetensors + tokenizer), gathered from all ranks. With LoRA the
+        weights are merged, and ``adapter/`` beside them holds the adapter alone in PEFT's format."""
         from transformers import AutoTokenizer
 
-        state = {n: t.detach().cpu().clone() for plan, chunk in self._gathered(1024) if self.rank == 0
+        state = {n: t.detach().cpu().clone() for plan, chunk in self._gathered(1024, push=False) if self.rank == 0
                  for n, t in zip(plan.names, chunk)}
+        if self.peft is not None:
+            self._save_adapter(os.path.join(out_dir, "adapter"))
         if self.rank != 0:
             return None
-        self.hf_model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+        base = self.peft.get_base_model() if self.peft is not None else self.hf_model
+        base.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
         AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out_dir)
         return out_dir
+
+    def _save_adapter(self, out_dir: str) -> None:
+        """The adapter in PEFT's format (``adapter_config.json``, ``adapter_model.safetensors``), rank 0 writing."""
+        import deepspeed
+
+        from learner.lora import adapter_parameters
+
+        params = list(adapter_parameters(self.hf_model).values())
+        with deepspeed.zero.GatheredParameters(params) if self.zero_stage == 3 else contextlib.nullcontext():
+            if self.rank == 0:
+                self.peft.save_pretrained(out_dir)
 
     def save_checkpoint(self, path: str) -> None:
         """DeepSpeed state of this rank (weights, optimizer, LR schedule) plus its torch RNG state."""
@@ -317,7 +358,7 @@ class LearnerWorker(LoggedActor):
         import torch
 
         _, client = self.engine.load_checkpoint(path, tag="ds", load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
+                                                load_lr_scheduler_states=True, load_module_strict=self.peft is None)
         if client is None:
             raise RuntimeError(f"could not load the DeepSpeed checkpoint in {path}")
         torch.set_rng_state(client["rng"])

@@ -91,9 +91,11 @@ def load_state(path: Path) -> dict:
     return json.loads((path / "trainer_state.json").read_text())
 
 
-def export_policy(source: Path, out: Path) -> Path:
+def export_policy(source: Path, out: Path, adapter: bool = False) -> Path:
     """Copy the policy of a checkpoint (``policy/``) or run dir (``final/``, else its newest checkpoint) to
-    ``out`` as an HF directory (safetensors + tokenizer) that transformers and vLLM load."""
+    ``out`` as an HF directory (safetensors + tokenizer) that transformers and vLLM load. A LoRA run's policy is
+    the merged model; ``adapter`` copies its ``adapter/`` (PEFT's format: ``PeftModel.from_pretrained`` on the
+    base, or a vLLM ``LoRARequest``) instead."""
     if (source / MARKER).exists():
         policy = source / "policy"
     elif (source / "final" / "config.json").exists():
@@ -103,5 +105,11 @@ def export_policy(source: Path, out: Path) -> Path:
     else:
         raise FileNotFoundError(f"export: {source} is neither a checkpoint nor a run dir with a final policy "
                                 "or a complete checkpoint")
-    shutil.copytree(policy, out, dirs_exist_ok=True)
+    if adapter:
+        if not (policy / "adapter" / "adapter_config.json").exists():
+            raise FileNotFoundError(f"export --adapter: {policy} has no adapter/ (the run did not train LoRA "
+                                    "adapters: learner.lora.rank was 0)")
+        shutil.copytree(policy / "adapter", out, dirs_exist_ok=True)
+    else:
+        shutil.copytree(policy, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("adapter"))
     return out

@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="write a run's (or checkpoint's) policy as an HF model directory")
     ex.add_argument("source", help="a run dir (its final policy, else its newest checkpoint) or a checkpoint dir")
     ex.add_argument("--out", required=True)
+    ex.add_argument("--adapter", action="store_true", help="a LoRA run: write the adapter alone (PEFT format) "
+                    "instead of the merged model")
     im = sub.add_parser("init-model", help="build the embedded default model (tiny Qwen2 + char tokenizer), or "
                         "import a real one from GGUF (--from, --gguf) and check it against vLLM")
     src = im.add_mutually_exclusive_group()
@@ -304,7 +306,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             from orchestrator.checkpoint import export_policy
 
-            print(export_policy(Path(args.source), Path(args.out)))
+            try:
+                print(export_policy(Path(args.source), Path(args.out), adapter=args.adapter))
+            except FileNotFoundError as e:
+                print(f"fleetrl: {e}", file=sys.stderr)
+                return 2
             return 0
         if args.command == "pipeline":
             from orchestrator.recipes.pipeline import run_pipeline

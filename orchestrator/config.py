@@ -30,6 +30,7 @@ from orchestrator.algorithms import (  # noqa: F401 - re-exported: the algorithm
     RewardCondition,
     RLOOConfig,
 )
+from orchestrator.lora_config import LoraSection, missing_targets
 from orchestrator.search.config import PRMSection, SearchSection
 from orchestrator.section import Section
 
@@ -299,6 +300,8 @@ class LearnerConfig(Section):
     """Custom Ray resources each learner rank requests (in its placement-group bundle)."""
     master_port: int = Field(0, ge=0, le=65535)
     """torch.distributed rendezvous port on rank 0's node (0 picks a free one)."""
+    lora: LoraSection = Field(default_factory=LoraSection)
+    """LoRA adapters on the policy (`rank: 0`, the default, trains the full weights; see docs/lora.md)."""
 
 
 class TrainerConfig(Section):
@@ -521,6 +524,18 @@ class FleetConfig(Section):
             if self.algorithm.tis_cap is None:
                 raise ValueError("rollout.mode=one_step_off needs the truncated-IS correction: set "
                                  "algorithm.tis_cap (e.g. 2.0), not null")
+        return self
+
+    @model_validator(mode="after")
+    def _check_lora_targets(self) -> FleetConfig:
+        lora = self.learner.lora
+        if lora.enabled and self.learner.zero_stage == 3:
+            raise ValueError("learner.lora.rank > 0 needs learner.zero_stage 0, 1 or 2 (got 3): under ZeRO-3 the "
+                             "frozen base's tied output embedding is released before the chunked LM head's backward")
+        missing = missing_targets(self.model.path, lora.target_modules) if lora.enabled else None
+        if missing:
+            raise ValueError(f"learner.lora.target_modules: {missing} match no module of {self.model.path}; "
+                             "give module names the model has (e.g. q_proj, v_proj) or `all-linear`")
         return self
 
     @property

@@ -157,7 +157,7 @@ class RolloutPool(ActorPool):
             self.cfg.model.path, self.cfg.engine_dtype, self.max_model_len, r.kv_cache_gib,
             self.cfg.rollout.seed + index, r.gpu_memory_utilization, r.tensor_parallel_size,
             enforce_eager=r.enforce_eager, prompt_format=self.cfg.data.prompt_format,
-            system_prompt=self.cfg.data.system_prompt, stop=r.stop,
+            system_prompt=self.cfg.data.system_prompt, stop=r.stop, partial_push=self.cfg.learner.lora.enabled,
         )
 
     def _after_restart(self, worker) -> None:
@@ -367,7 +367,8 @@ class LearnerGroup:
                 runtime_env={"env_vars": log_env(cfg)},
             ).remote(r, self.world, master_addr, port, cfg.model.path, cfg.model.dtype, dsc, loss_kwargs,
                      learner_temperature(cfg), cfg.trainer.seed, cfg.trainer.torch_threads, lc.gradient_checkpointing,
-                     role, cfg.uses_reference, lc.mixed_precision, learner_layout(cfg))
+                     role, cfg.uses_reference, lc.mixed_precision, learner_layout(cfg),
+                     lc.lora.spec() if role == "actor" else None)
             for r in range(self.world)
         ]
         for r, handle in enumerate(self.ranks):

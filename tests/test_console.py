@@ -98,6 +98,10 @@ def test_only_the_expected_reload_warnings_are_dropped():
     assert not passes(tied, "RotaryEmbedding") and not passes(tied, "ParallelLMHead")
     assert passes(untied, "ParallelLMHead")  # untied: a head that got no weights is a real problem
     assert passes(tied, "QKVParallelLinear") and passes(tied, "RotaryEmbedding", "%s: Delayed processing")
+    partial = ExpectedReloadWarnings({"RotaryEmbedding"}, partial=True)  # LoRA: only the adapted blocks pushed
+    assert not passes(partial, "RMSNorm") and not passes(partial, {"model.norm.weight"},
+                                                         "Following weights were not loaded from checkpoint: %s")
+    assert passes(untied, {"model.norm.weight"}, "Following weights were not loaded from checkpoint: %s")
 
 
 CAPTURE = textwrap.dedent("""

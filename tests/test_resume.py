@@ -22,6 +22,10 @@ MODES = {
                                       "learner.zero_stage=3"],
     "rloo-dynamic_sampling-zero0": ["algorithm.name=rloo", "rollout.dynamic_sampling=true", "learner.num_ranks=1",
                                     "learner.zero_stage=0"],
+    # LoRA: the checkpoint holds the adapters and their AdamW state only, the KL reference is the base with them
+    # off, each push sends merged q/k/v blocks; the exports: merged (not the base) and the adapter alone
+    "grpo-lora-sync-zero2-2ranks": ["learner.num_ranks=2", "learner.zero_stage=2", "learner.lora.rank=8",
+                                    "learner.lora.target_modules=[q_proj,v_proj]", "learner.lr=3e-3"],
 }
 SAME = ("reward/mean", "loss", "kl", "entropy", "actor/grad_norm", "rollout/logprob_gap_max", "rollout/staleness_max")
 
@@ -55,6 +59,31 @@ def test_resume_is_exact(tmp_path, mode):
                             str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         _vllm_matches_transformers(out)
+    if "lora" in mode:
+        assert all(r["weight_sync/logprob_max_diff"] < 1e-3 for r in full if "weight_sync/logprob_max_diff" in r)
+        _lora_exports(tmp_path / "full", tmp_path / "exported", tmp_path / "adapter")
+
+
+def _lora_exports(run_dir, merged, adapter_dir):
+    """The merged export differs from the base (so the training reached it); the adapter export is PEFT's format
+    and the base plus it gives the merged model's logprobs (<= 1e-4, fp32)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    r = subprocess.run([sys.executable, "-m", "orchestrator", "export", str(run_dir), "--adapter", "--out",
+                        str(adapter_dir)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (adapter_dir / "adapter_config.json").exists() and not (merged / "adapter").exists()
+    base_path = ROOT / ".fleetrl" / "models" / "arith-base"
+    ids = torch.tensor([[2, 5, 6, 7, 8, 9, 10, 11]])
+    with torch.no_grad():
+        out = AutoModelForCausalLM.from_pretrained(merged).eval()(input_ids=ids).logits.log_softmax(-1)
+        base = AutoModelForCausalLM.from_pretrained(base_path).eval()
+        base_out = base(input_ids=ids).logits.log_softmax(-1)
+        adapted = PeftModel.from_pretrained(base, str(adapter_dir)).eval()(input_ids=ids).logits.log_softmax(-1)
+    assert (out - base_out).abs().max() > 1e-3
+    assert (adapted - out).abs().max() <= 1e-4
 
 
 def _vllm_matches_transformers(model_dir):

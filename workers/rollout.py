@@ -32,7 +32,8 @@ class RolloutWorker(LoggedActor):
     def __init__(self, model_path: str, dtype: str, max_model_len: int, kv_cache_gib: float, seed: int,
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1, max_num_seqs: int = 256,
                  enforce_eager: bool | None = None, prompt_format: str = "auto", system_prompt: str | None = None,
-                 stop: list[str] | None = None):
+                 stop: list[str] | None = None, partial_push: bool = False):
+        """``partial_push``: pushes carry only some layers (LoRA's merged push), the rest keep their tensors."""
         self._start_logging()
         skip_unused_imports()
         for key, value in CPU_ENV.items():
@@ -52,6 +53,8 @@ class RolloutWorker(LoggedActor):
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.llm = LLM(**kwargs)
+        if partial_push:
+            self.llm.collective_rpc("fleetrl_expect_partial_push")
         self._warm_up()
         self.tokenizer = self.llm.get_tokenizer()
         self.renderer = PromptRenderer(self.tokenizer, prompt_format, system_prompt)

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+INPLACE_LOGGER = "vllm.model_executor.model_loader.reload.inplace"
 
 
 class ExpectedReloadWarnings(logging.Filter):
@@ -24,12 +25,15 @@ class ExpectedReloadWarnings(logging.Filter):
     (:meth:`WeightSyncExtension._fleetrl_retie_embeddings`). Any other layer's warning would mean a tensor really
     went missing, so it is kept."""
 
-    def __init__(self, layers: set[str]):
+    def __init__(self, layers: set[str], partial: bool = False):
         super().__init__()
-        self.layers = layers
+        self.layers, self.partial = layers, partial
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in self.layers)
+        if self.partial and record.msg == "Following weights were not loaded from checkpoint: %s":
+            return False
+        return not (record.msg == "%s: Failed to load weights" and record.args
+                    and (self.partial or record.args[0] in self.layers))
 
 
 class WeightSyncExtension:
@@ -49,6 +53,12 @@ class WeightSyncExtension:
         self.reload_weights(weights_iterator=counted())
         self._fleetrl_retie_embeddings()
         return count
+
+    def fleetrl_expect_partial_push(self) -> None:
+        """Pushes will carry only some layers (a LoRA run's merged push sends the blocks with adapters): every
+        other layer keeps its tensors, as vLLM's reload does for a layer none of whose tensors arrived, so its
+        warnings about those layers say nothing wrong. The push probe still checks every push."""
+        self._fleetrl_partial = True
 
     def fleetrl_named_weights(self) -> dict[str, torch.Tensor]:
         """The weights the engine computes with, under vLLM's names (fused ``qkv_proj`` / ``gate_up_proj``; a tied
@@ -72,9 +82,10 @@ class WeightSyncExtension:
     def _fleetrl_filter_reload_warnings(self) -> None:
         if getattr(self, "_fleetrl_reload_filter", None) is None:
             tied = getattr(getattr(self.model_runner.get_model(), "config", None), "tie_word_embeddings", False)
-            self._fleetrl_reload_filter = ExpectedReloadWarnings({"RotaryEmbedding"} | ({"ParallelLMHead"} if tied
-                                                                                         else set()))
-            logging.getLogger(RELOAD_LOGGER).addFilter(self._fleetrl_reload_filter)
+            self._fleetrl_reload_filter = ExpectedReloadWarnings(
+                {"RotaryEmbedding"} | ({"ParallelLMHead"} if tied else set()), getattr(self, "_fleetrl_partial", False))
+            for name in (RELOAD_LOGGER, INPLACE_LOGGER):
+                logging.getLogger(name).addFilter(self._fleetrl_reload_filter)
 
     def _fleetrl_retie_embeddings(self) -> None:
         """With tied input/output embeddings the checkpoint has no ``lm_head.weight``, and the layer-wise reload

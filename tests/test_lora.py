@@ -1,0 +1,149 @@
+"""LoRA on the policy (learner.lora): a real LearnerWorker rank (DeepSpeed, gloo, one rank in this process) on a
+small Qwen2 model with PEFT adapters. The fleet-level guarantees (the push probe every step, exact resume, the
+exports loading in vLLM) are in tests/test_resume.py's LoRA mode."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from orchestrator.config import ConfigError, load_config
+from tests.test_e2e import ROOT
+
+LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from orchestrator.embedded_model import build_model, build_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny")
+    tok = build_tokenizer()
+    build_model(len(tok), seed=0).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def worker(model_dir):
+    """One LoRA learner rank (world size 1, ZeRO-2, a KL reference) and the batch it trains on."""
+    from bench.learner_overhead import make_batch
+    from learner.algorithms import loss_kwargs
+    from learner.worker import LearnerWorker, ds_config
+    from orchestrator.pools import _free_port, learner_layout
+
+    cfg = load_config(overrides=[f"model.path={model_dir}", "algorithm.name=grpo", "algorithm.kl_coef=0.01"])
+    dsc = ds_config(8, 1, 1, 2, 1e-2, (0.9, 0.999), 0.0, 0, 1.0, "float32")
+    w = LearnerWorker(0, 1, "127.0.0.1", _free_port(), model_dir, "float32", dsc, loss_kwargs(cfg.algorithm), 1.0,
+                      0, 1, reference=True, layout=learner_layout(cfg), lora=LORA)
+    batch = make_batch(w.hf_model.config.vocab_size, 8, 6)
+    yield w, batch
+    torch.distributed.destroy_process_group()
+
+
+def _snapshot(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_only_adapters_train_and_the_reference_is_the_base(worker):
+    """Only lora_A/lora_B are trainable and in the optimizer; before any update the reference (adapters off)
+    gives exactly the policy's logprobs; an update moves the adapters and leaves every base tensor as it was."""
+    w, batch = worker
+    trainable = {n for n, p in w.hf_model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    adapters = [p for p in w.hf_model.parameters() if p.requires_grad]
+    # ZeRO-2 keeps the parameters it optimizes in bit16_groups and their AdamW state in flat fp32 partitions
+    assert {id(p) for g in w.engine.optimizer.bit16_groups for p in g} == {id(p) for p in adapters}
+
+    first = w.compute_logprobs(batch, 8)
+    assert torch.equal(first["ref_logprobs"], first["old_logprobs"])  # B starts at zero: the policy is the base
+
+    before = _snapshot(w.hf_model)
+    w.train([batch], 1, 8)
+    after = _snapshot(w.hf_model)
+    moments = [s["exp_avg"] for s in w.engine.optimizer.optimizer.state.values()]
+    assert sum(m.numel() for m in moments) == sum(p.numel() for p in adapters)  # no AdamW state for the base
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed and changed <= trainable
+    assert any(".lora_B." in n for n in changed)
+    second = w.compute_logprobs(batch, 8)
+    assert torch.equal(second["ref_logprobs"], first["ref_logprobs"])  # the reference did not move
+    assert (second["old_logprobs"] - first["old_logprobs"]).abs().max() > 1e-4  # the policy did
+
+
+def test_push_sends_merged_adapted_weights_under_base_names(worker, model_dir):
+    """The push's tensors are the adapted layers' weights under the base model's names, equal to W + s*B*A, and
+    nothing else (untouched tensors are not resent)."""
+    from safetensors.torch import load_file
+
+    w, _ = worker
+    base = load_file(f"{model_dir}/model.safetensors")
+    specs = w.weight_specs()
+    names = [n for n, _, _ in specs]
+    assert names and set(names) < set(base)  # a subset of the base checkpoint's names
+    assert not any("embed_tokens" in n or "norm" in n for n in names)
+    pushed = {n: t.clone() for plan, chunk in w._gathered(64) for n, t in zip(plan.names, chunk)}
+    q = "model.layers.0.self_attn.q_proj"
+    layer = w.hf_model.get_submodule(q)
+    expected = base[f"{q}.weight"] + layer.scaling["default"] * layer.lora_B["default"].weight @ \
+        layer.lora_A["default"].weight
+    assert torch.allclose(pushed[f"{q}.weight"], expected, atol=1e-6)
+    assert not torch.equal(pushed[f"{q}.weight"], base[f"{q}.weight"])  # the trained adapter is in it
+
+
+def test_saved_policy_is_merged_and_adapter_loads_in_peft(worker, model_dir, tmp_path):
+    """save_hf writes the merged model (transformers logprobs = the learner's adapter-on logprobs, not the base's)
+    and adapter/ in PEFT's format (the base + that adapter gives the same logprobs)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    w, batch = worker
+    out = w.save_hf(str(tmp_path / "policy"))
+    ids = batch.input_ids[:1][:, batch.attention_mask[0].bool()]  # one row, padding dropped
+    with torch.no_grad():
+        learner = w.hf_model(input_ids=ids).logits.log_softmax(-1)
+        merged = AutoModelForCausalLM.from_pretrained(out).eval()(input_ids=ids).logits.log_softmax(-1)
+        base_model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        base = base_model(input_ids=ids).logits.log_softmax(-1)
+        adapted = PeftModel.from_pretrained(base_model, f"{out}/adapter").eval()(input_ids=ids).logits.log_softmax(-1)
+    assert (merged - learner).abs().max() <= 1e-4
+    assert (adapted - learner).abs().max() <= 1e-4
+    assert (merged - base).abs().max() > 1e-3
+
+
+def test_checkpoint_holds_the_adapter_not_the_base(worker, tmp_path):
+    """A LoRA checkpoint's module state is the adapter tensors only (the frozen base is the model path's)."""
+    w, _ = worker
+    w.save_checkpoint(str(tmp_path / "ckpt"))
+    states = list((tmp_path / "ckpt" / "ds").glob("mp_rank_*_model_states.pt"))
+    assert states
+    module = torch.load(states[0], map_location="cpu", weights_only=False)["module"]
+    assert module and all("lora_" in n for n in module), [n for n in module if "lora_" not in n]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("learner.lora.rank=-1", "learner.lora.rank"),
+    ("learner.lora.dropout=1.5", "learner.lora.dropout"),
+    ("learner.lora.target_modules=[]", "learner.lora.target_modules"),
+    ("learner.lora.push=adapter", "learner.lora.push"),
+    ("learner.lora.rank=8 learner.zero_stage=3", "learner.zero_stage 0, 1 or 2"),
+])
+def test_bad_lora_settings_are_config_errors(override, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_config(overrides=override.split())
+
+
+def test_a_target_module_the_model_lacks_is_a_config_error(model_dir):
+    with pytest.raises(ConfigError, match=r"learner\.lora\.target_modules: \['qkv'\] match no module"):
+        load_config(overrides=[f"model.path={model_dir}", "learner.lora.rank=8", "learner.lora.target_modules=[qkv]"])
+    load_config(overrides=[f"model.path={model_dir}", "learner.lora.rank=8",
+                           "learner.lora.target_modules=[q_proj,v_proj]"])
+
+
+def test_cli_bad_lora_rank_exits_2_without_traceback(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "orchestrator", "train", "learner.lora.rank=-3",
+                        f"run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "learner.lora.rank" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()
