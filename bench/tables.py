@@ -138,6 +138,15 @@ def smollm2(result: dict) -> str:
             f"tokens; fleetrl / TRL completions per second: {result['ratio_completions_per_s']:.2f}.\n\n{table}\n")
 
 
+def lora(result: dict) -> str:
+    """docs section 11: LoRA ranks against full fine-tuning on SmolLM2 (learner time, memory, push)."""
+    from bench.lora import table
+
+    headers, rows = table(result["variants"])
+    return (f"{provenance(result['meta'])} `{result['config']}`, {result['steps']} steps per run, the first "
+            f"dropped, medians.\n\n{markdown_table(headers, rows)}\n")
+
+
 def readme_end_to_end(result: dict) -> str:
     """README: the generation-heavy row of section 2 in one line, with its machine."""
     runs = {r["system"]: r for r in result["gen_heavy"]["runs"]}
@@ -157,6 +166,7 @@ TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "learner_memory": ("learner_memory.json", learner_memory),
     "learner_overhead": ("learner_overhead.json", learner_overhead),
     "smollm2": ("smollm2.json", smollm2),
+    "lora": ("lora.json", lora),
     "readme_end_to_end": ("end_to_end.json", readme_end_to_end),
 }
 """Table name -> (result file in bench/results, renderer)."""

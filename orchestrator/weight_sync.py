@@ -41,11 +41,13 @@ class WeightSync:
         """``probe``: the prompts every engine samples after a push (:meth:`check`); ``pad_id`` pads them."""
         self.cfg, self.learner, self.rollouts = cfg, learner, rollouts
         self.probe, self.pad_id = probe, pad_id
+        self._bytes: int | None = None
 
     def push(self, version: int) -> dict:
         """Every engine serves the learner's current weights as ``version``; returns ``weight_sync/*`` metrics,
-        ``weight_sync/logprob_max_diff`` among them."""
+        ``weight_sync/logprob_max_diff`` and ``weight_sync/bytes`` among them."""
         metrics = self._push(version)
+        metrics["weight_sync/bytes"] = self.push_bytes()
         t0 = time.perf_counter()
         metrics["weight_sync/logprob_max_diff"] = self.check()
         metrics["weight_sync/check_s"] = time.perf_counter() - t0
@@ -53,6 +55,16 @@ class WeightSync:
 
     def _push(self, version: int) -> dict:
         raise NotImplementedError
+
+    def push_bytes(self) -> int:
+        """The bytes of tensors one push sends to each engine (fixed for a run: every tensor, or with LoRA the
+        adapted blocks' merged weights), alignment padding not counted."""
+        if self._bytes is None:
+            from workers.weight_buckets import tensor_nbytes
+
+            plans = self.learner.weight_plans(self.cfg.rollout.weight_bucket_mb)
+            self._bytes = sum(tensor_nbytes(*spec) for p in plans for spec in zip(p.names, p.shapes, p.dtypes))
+        return self._bytes
 
     def check(self) -> float:
         """Largest |engine - learner| logprob of the tokens every engine samples from the probe prompts."""
