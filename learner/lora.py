@@ -40,6 +40,12 @@ def adapter_parameters(hf_model) -> dict[str, torch.Tensor]:
     return {n: p for n, p in hf_model.named_parameters() if "lora_" in n}
 
 
+def adapter_weights(hf_model) -> dict[str, torch.Tensor]:
+    """The adapter tensors under the names PEFT saves them with (``base_model.model.<module>.lora_A.weight``): what
+    the ``adapter`` push sends and the engines load as a LoRA adapter."""
+    return {"base_model.model." + n.replace(f".{ADAPTER}.", "."): p for n, p in adapter_parameters(hf_model).items()}
+
+
 def _lora_layers(hf_model) -> dict[str, torch.nn.Module]:
     from peft.tuners.lora import LoraLayer
 

@@ -61,6 +61,7 @@ class LearnerWorker(LoggedActor):
         self.autocast = getattr(torch, autocast) if autocast else None  # mixed precision: compute dtype
         self.ref = None  # the frozen reference policy, only when a KL term reads it (or KL is logged)
         self.peft = None  # the PEFT model when the policy trains LoRA adapters
+        self.lora_push = (lora or {}).get("push", "merged")
         self.has_ref = reference and role != "critic"
         if role == "critic":
             self.hf_model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch_dtype)
@@ -257,7 +258,8 @@ class LearnerWorker(LoggedActor):
     # ---- weights out ----------------------------------------------------------------------------------
     def _weights(self, push: bool = True):
         """``(specs, tensors by name, gather)`` of the policy in the base model's format: its parameters, or with
-        LoRA the merged weights (``push``: the adapted layers' only, the rest never changes). ``gather`` is the
+        LoRA the merged weights (``push``: the adapted blocks' only, the rest never changes; or with
+        ``learner.lora.push: adapter`` the adapter tensors alone). ``gather`` is the
         ZeRO-3 context to read full tensors in (None: they are whole, or the mapping gathers itself)."""
         import deepspeed
 
@@ -269,7 +271,11 @@ class LearnerWorker(LoggedActor):
         gather = gather if self.zero_stage == 3 else None
         if self.peft is None:
             return param_specs(self.hf_model.named_parameters()), dict(self.hf_model.named_parameters()), gather
-        from learner.lora import merged_weights
+        from learner.lora import adapter_weights, merged_weights
+
+        if push and self.lora_push == "adapter":
+            adapters = adapter_weights(self.hf_model)
+            return param_specs(adapters.items()), adapters, gather
 
         merged = merged_weights(self.hf_model, adapted_only=push, gather=gather)
         return merged.specs(), merged, None

@@ -11,7 +11,7 @@ import struct
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from orchestrator.section import Section
 
@@ -31,9 +31,18 @@ class LoraSection(Section):
     target_modules: list[str] | Literal["all-linear"] = ALL_LINEAR
     """Which linear layers get an adapter: `all-linear` (every linear layer but the LM head) or module names
     (`[q_proj, v_proj]`: every module whose name ends in one of them)."""
-    push: Literal["merged"] = "merged"
-    """How the policy reaches the engines: `merged` sends base + (alpha / rank) B A of the adapted layers only
-    (the other tensors never change, so they are not resent); the engines need no LoRA support."""
+    push: Literal["merged", "adapter"] = "merged"
+    """How the policy reaches the engines: `merged` sends base + (alpha / rank) B A of the blocks with adapters
+    (the other tensors never change, so they are not resent; the engines need no LoRA support); `adapter` sends
+    the adapter tensors alone and the engines serve base + adapter (vLLM LoRA, each policy version a new
+    `LoRARequest`, the previous one unloaded)."""
+
+    @model_validator(mode="after")
+    def _adapter_rank(self) -> LoraSection:
+        if self.push == "adapter" and self.rank > VLLM_MAX_LORA_RANKS[-1]:
+            raise ValueError(f"push: adapter serves the adapter in vLLM, whose largest LoRA rank is "
+                             f"{VLLM_MAX_LORA_RANKS[-1]}; got rank {self.rank} (use push: merged)")
+        return self
 
     @field_validator("target_modules")
     @classmethod
@@ -52,7 +61,21 @@ class LoraSection(Section):
         if not self.enabled:
             return None
         return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
-                "target_modules": self.target_modules}
+                "target_modules": self.target_modules, "push": self.push}
+
+    def engine_spec(self) -> dict | None:
+        """What the rollout engines need to serve the adapter (`push: adapter`), else None."""
+        if not self.enabled or self.push != "adapter":
+            return None
+        return {"rank": self.rank, "alpha": self.alpha, "max_rank": engine_max_rank(self.rank)}
+
+
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM accepts for an engine's ``max_lora_rank``."""
+
+
+def engine_max_rank(rank: int) -> int:
+    return next((r for r in VLLM_MAX_LORA_RANKS if r >= rank), VLLM_MAX_LORA_RANKS[-1])
 
 
 def missing_targets(model_path: str | Path, targets: list[str] | str) -> list[str] | None:

@@ -157,7 +157,9 @@ class RolloutPool(ActorPool):
             self.cfg.model.path, self.cfg.engine_dtype, self.max_model_len, r.kv_cache_gib,
             self.cfg.rollout.seed + index, r.gpu_memory_utilization, r.tensor_parallel_size,
             enforce_eager=r.enforce_eager, prompt_format=self.cfg.data.prompt_format,
-            system_prompt=self.cfg.data.system_prompt, stop=r.stop, partial_push=self.cfg.learner.lora.enabled,
+            system_prompt=self.cfg.data.system_prompt, stop=r.stop,
+            partial_push=self.cfg.learner.lora.enabled and self.cfg.learner.lora.push == "merged",
+            lora=self.cfg.learner.lora.engine_spec(),
         )
 
     def _after_restart(self, worker) -> None:

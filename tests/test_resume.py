@@ -66,7 +66,7 @@ def test_resume_is_exact(tmp_path, mode):
 
 def _lora_exports(run_dir, merged, adapter_dir):
     """The merged export differs from the base (so the training reached it); the adapter export is PEFT's format
-    and the base plus it gives the merged model's logprobs (<= 1e-4, fp32)."""
+    and the base plus it gives the merged model's logprobs (<= 1e-4, fp32), in PEFT and as a vLLM LoRARequest."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -84,26 +84,34 @@ def _lora_exports(run_dir, merged, adapter_dir):
         adapted = PeftModel.from_pretrained(base, str(adapter_dir)).eval()(input_ids=ids).logits.log_softmax(-1)
     assert (out - base_out).abs().max() > 1e-3
     assert (adapted - out).abs().max() <= 1e-4
+    _vllm_matches_transformers(merged, base=base_path, adapter=adapter_dir)  # the adapter served by vLLM
 
 
-def _vllm_matches_transformers(model_dir):
+def _vllm_matches_transformers(model_dir, base=None, adapter=None):
+    """vLLM's logprobs of its own samples equal transformers' on ``model_dir`` (< 1e-4, fp32). With ``adapter`` the
+    engine serves ``base`` plus that PEFT adapter as a LoRARequest (vLLM's CPU LoRA kernels)."""
+    engine = base or model_dir
+    lora = dict(enable_lora=True, max_lora_rank=64, max_loras=1) if adapter else {}
+    request = f"LoRARequest('policy', 1, {str(adapter)!r})" if adapter else "None"
     script = textwrap.dedent(f"""
         import os
         os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from vllm import LLM, SamplingParams
+        from vllm.lora.request import LoRARequest
         if __name__ == "__main__":
             path = {str(model_dir)!r}
-            llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=32,
-                      kv_cache_memory_bytes=2**27)
+            llm = LLM(model={str(engine)!r}, dtype="float32", enforce_eager=True, max_model_len=32,
+                      kv_cache_memory_bytes=2**27, **{lora!r})
             tok = AutoTokenizer.from_pretrained(path)
             hf = AutoModelForCausalLM.from_pretrained(path).eval()
             worst = 0.0
             for prompt in ["12+30=", "7+58=", "99+1="]:
                 ids = tok(prompt)["input_ids"]
                 out = llm.generate([{{"prompt_token_ids": ids}}],
-                                   SamplingParams(max_tokens=4, logprobs=0, temperature=1.0, seed=0))
+                                   SamplingParams(max_tokens=4, logprobs=0, temperature=1.0, seed=0),
+                                   lora_request={request})
                 c = out[0].outputs[0]
                 toks = list(c.token_ids)
                 with torch.no_grad():

@@ -29,9 +29,11 @@ class Completion:
 
 
 class EngineLoop:
-    def __init__(self, llm, params_for):
-        """``llm``: a ``vllm.LLM``; ``params_for(max_new_tokens, seed)`` -> the turn's ``SamplingParams``."""
+    def __init__(self, llm, params_for, lora_request=None):
+        """``llm``: a ``vllm.LLM``; ``params_for(max_new_tokens, seed)`` -> the turn's ``SamplingParams``;
+        ``lora_request``: the served LoRA adapter every turn samples with (None: the engine's weights)."""
         self.engine = llm.llm_engine
+        self.lora_request = lora_request
         self.params_for = params_for
         self.ids = itertools.count()
         self.pending: dict[str, asyncio.Future] = {}
@@ -48,7 +50,8 @@ class EngineLoop:
         rid = f"turn-{next(self.ids)}"
         future = asyncio.get_running_loop().create_future()
         self.pending[rid] = future
-        self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(context_ids)), params)
+        self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(context_ids)), params,
+                                lora_request=self.lora_request)
         self.wake.set()
         try:
             out = await future
@@ -79,9 +82,9 @@ class EngineLoop:
         self.wake.set()
 
 
-async def run_all(llm, params_for, episodes) -> list:
+async def run_all(llm, params_for, episodes, lora_request=None) -> list:
     """Run ``episodes`` (callables ``generate -> coroutine``) concurrently on one engine; results in order."""
-    loop = EngineLoop(llm, params_for)
+    loop = EngineLoop(llm, params_for, lora_request)
     driver = asyncio.create_task(loop.run())
     try:
         return await asyncio.gather(*(episode(loop.generate) for episode in episodes))

@@ -158,6 +158,14 @@ class NcclWeightSyncExtension(WeightSyncExtension):
         self._fleetrl_weight_comm = weight_communicator(backend, host, port, rank, world_size, self.device)
         return rank
 
+    def fleetrl_receive_tensors(self, plans: Sequence[BucketPlan]) -> list[tuple[str, torch.Tensor]]:
+        """Receive one push and return its tensors as CPU copies (a LoRA adapter the rollout actor serves)."""
+        comm = getattr(self, "_fleetrl_weight_comm", None)
+        if comm is None:
+            raise RuntimeError("fleetrl_receive_tensors before fleetrl_init_weight_group: this worker is not in a "
+                               "weight group")
+        return [(name, t.to("cpu", copy=True)) for name, t in receive_buckets(comm, plans, self.device)]
+
     def fleetrl_receive_weights(self, plans: Sequence[BucketPlan]) -> int:
         """Receive one push and reload the model in place; returns the number of tensors loaded. Every bucket is
         received even if the reload fails part-way, so the sender and the other engines are not left hanging."""

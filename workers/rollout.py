@@ -32,8 +32,9 @@ class RolloutWorker(LoggedActor):
     def __init__(self, model_path: str, dtype: str, max_model_len: int, kv_cache_gib: float, seed: int,
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1, max_num_seqs: int = 256,
                  enforce_eager: bool | None = None, prompt_format: str = "auto", system_prompt: str | None = None,
-                 stop: list[str] | None = None, partial_push: bool = False):
-        """``partial_push``: pushes carry only some layers (LoRA's merged push), the rest keep their tensors."""
+                 stop: list[str] | None = None, partial_push: bool = False, lora: dict | None = None):
+        """``partial_push``: pushes carry only some layers (LoRA's merged push), the rest keep their tensors.
+        ``lora`` (:meth:`LoraSection.engine_spec`): serve the policy as base + the pushed LoRA adapter."""
         self._start_logging()
         skip_unused_imports()
         for key, value in CPU_ENV.items():
@@ -48,6 +49,10 @@ class RolloutWorker(LoggedActor):
             # logprobs of the distribution actually sampled (after temperature), as the learner computes them
             logprobs_mode="processed_logprobs",
         )
+        if lora:
+            from workers.lora_adapters import engine_kwargs
+
+            kwargs.update(engine_kwargs(lora))
         if _on_cpu():
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         else:
@@ -55,6 +60,11 @@ class RolloutWorker(LoggedActor):
         self.llm = LLM(**kwargs)
         if partial_push:
             self.llm.collective_rpc("fleetrl_expect_partial_push")
+        self.adapter = None  # the served LoRA adapter (learner.lora.push: adapter)
+        if lora:
+            from workers.lora_adapters import ServedAdapter
+
+            self.adapter = ServedAdapter(self.llm, lora, str(os.getpid()))
         self._warm_up()
         self.tokenizer = self.llm.get_tokenizer()
         self.renderer = PromptRenderer(self.tokenizer, prompt_format, system_prompt)
@@ -102,7 +112,7 @@ class RolloutWorker(LoggedActor):
                     seed=None if seed is None else _sample_seed(seed, uid, j), stop=stops,
                     include_stop_str_in_output=True,
                 ))
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora_request())
         samples = []
         for k, out in enumerate(outputs):
             uid, _, meta = prompts[k // group_size]
@@ -147,7 +157,7 @@ class RolloutWorker(LoggedActor):
 
         jobs = [(uid, j, meta, factory.episode(prompt, meta, _sample_seed(seed or 0, uid, j), turn_seeds(uid, j)))
                 for uid, prompt, meta in prompts for j in range(group_size)]
-        episodes = asyncio.run(run_all(self.llm, params_for, [job[3] for job in jobs]))
+        episodes = asyncio.run(run_all(self.llm, params_for, [job[3] for job in jobs], self._lora_request()))
         samples = [factory.to_sample(ep, uid, j, meta, self.policy_version, self.name)
                    for (uid, j, meta, _), ep in zip(jobs, episodes)]
         self.generated_tokens += sum(sum(s.loss_mask) for s in samples)
@@ -165,7 +175,10 @@ class RolloutWorker(LoggedActor):
             for ref in bucket_refs:
                 yield from from_object(ray.get(ref))
 
-        loaded = self.llm.collective_rpc("fleetrl_reload_weights", args=(stream(),))
+        if self.adapter is not None:
+            loaded = [self.adapter.load(stream(), version)]
+        else:
+            loaded = self.llm.collective_rpc("fleetrl_reload_weights", args=(stream(),))
         self.llm.reset_prefix_cache()
         self.policy_version = version
         return {"tensors": loaded[0], "seconds": time.perf_counter() - t0, "version": version}
@@ -178,10 +191,18 @@ class RolloutWorker(LoggedActor):
     def receive_weights(self, plans: list, version: int) -> dict:
         """Receive one collective push (learner rank 0 broadcasts) and reload the engine in place."""
         t0 = time.perf_counter()
-        loaded = self.llm.collective_rpc("fleetrl_receive_weights", args=(plans,))
+        if self.adapter is not None:
+            loaded = [self.adapter.load(self.llm.collective_rpc("fleetrl_receive_tensors", args=(plans,))[0],
+                                        version)]
+        else:
+            loaded = self.llm.collective_rpc("fleetrl_receive_weights", args=(plans,))
         self.llm.reset_prefix_cache()
         self.policy_version = version
         return {"tensors": loaded[0], "seconds": time.perf_counter() - t0, "version": version}
+
+    def _lora_request(self):
+        """The served adapter's ``LoRARequest`` (None: the engine's own weights are the policy)."""
+        return self.adapter.request if self.adapter is not None else None
 
     def engine_weights(self) -> dict:
         """The engine's parameters under vLLM's names (see ``fleetrl_named_weights``), from its first worker."""
