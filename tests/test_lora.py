@@ -1,6 +1,6 @@
 """LoRA on the policy (learner.lora): a real LearnerWorker rank (DeepSpeed, gloo, one rank in this process) on a
-small Qwen2 model with PEFT adapters. The fleet-level guarantees (the push probe every step, exact resume, the
-exports loading in vLLM) are in tests/test_resume.py's LoRA mode."""
+small Qwen2 model with PEFT adapters, and one short run of the real stack with the merged push. Exact resume, the
+adapter push and the exports loading in vLLM are guarded by tests/test_resume.py's LoRA mode."""
 
 import subprocess
 import sys
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from orchestrator.config import ConfigError, load_config
-from tests.test_e2e import ROOT
+from tests.test_e2e import ROOT, run_fleetrl
 
 LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
 
@@ -112,6 +112,30 @@ def test_saved_policy_is_merged_and_adapter_loads_in_peft(worker, model_dir, tmp
     assert (merged - base).abs().max() > 1e-3
 
 
+def test_adapter_push_is_what_peft_saves_and_loads(worker, model_dir, tmp_path):
+    """push: adapter sends the adapter tensors under PEFT's own names (those of its saved adapter), and the
+    directory an engine writes from them loads in PEFT with the learner's logprobs."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from learner.lora import adapter_weights
+    from workers.lora_adapters import write_adapter
+
+    w, batch = worker
+    pushed = {n: t.detach().clone() for n, t in adapter_weights(w.hf_model).items()}
+    w.peft.save_pretrained(str(tmp_path / "peft"))
+    saved = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert set(pushed) == set(saved) and all(torch.equal(pushed[n], saved[n]) for n in saved)
+    path = write_adapter(pushed, {"rank": LORA["rank"], "alpha": LORA["alpha"]}, tmp_path / "engine")
+    ids = batch.input_ids[:1][:, batch.attention_mask[0].bool()]
+    with torch.no_grad():
+        learner = w.hf_model(input_ids=ids).logits.log_softmax(-1)
+        base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        served = PeftModel.from_pretrained(base, str(path)).eval()(input_ids=ids).logits.log_softmax(-1)
+    assert (served - learner).abs().max() <= 1e-5
+
+
 def test_checkpoint_holds_the_adapter_not_the_base(worker, tmp_path):
     """A LoRA checkpoint's module state is the adapter tensors only (the frozen base is the model path's)."""
     w, _ = worker
@@ -126,7 +150,8 @@ def test_checkpoint_holds_the_adapter_not_the_base(worker, tmp_path):
     ("learner.lora.rank=-1", "learner.lora.rank"),
     ("learner.lora.dropout=1.5", "learner.lora.dropout"),
     ("learner.lora.target_modules=[]", "learner.lora.target_modules"),
-    ("learner.lora.push=adapter", "learner.lora.push"),
+    ("learner.lora.push=delta", "learner.lora.push"),
+    ("learner.lora.rank=600 learner.lora.push=adapter", "largest LoRA rank is 512"),
     ("learner.lora.rank=8 learner.zero_stage=3", "learner.zero_stage 0, 1 or 2"),
 ])
 def test_bad_lora_settings_are_config_errors(override, message):
@@ -147,3 +172,20 @@ def test_cli_bad_lora_rank_exits_2_without_traceback(tmp_path):
     assert r.returncode == 2
     assert "learner.lora.rank" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.e2e
+def test_merged_push_reaches_the_engines_every_step(tmp_path):
+    """Only this test guards the merged push on vLLM: the engine reloads the adapted blocks alone (embeddings and
+    norms not resent, q/k/v and gate/up fused by vLLM) and then samples exactly what the learner computes."""
+    from safetensors import safe_open
+
+    rows = run_fleetrl(tmp_path / "run", "trainer.total_steps=2", "trainer.eval_every=0", "rollout.num_workers=1",
+                       "learner.num_ranks=1", "learner.lora.rank=8", "learner.lr=3e-3", "learner.log_kl=true")
+    pushes = [r for r in rows if "weight_sync/logprob_max_diff" in r]
+    assert len(pushes) == 2 and all(r["weight_sync/logprob_max_diff"] < 1e-3 for r in pushes)
+    assert rows[1]["kl"] > 0  # the policy moved away from the reference (the base, adapters off)
+    with safe_open(str(ROOT / ".fleetrl/models/arith-base/model.safetensors"), "pt") as f:
+        full = sum(f.get_tensor(k).numel() * 4 for k in f.keys())
+    assert 0 < pushes[0]["weight_sync/bytes"] < full
+

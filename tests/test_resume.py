@@ -23,9 +23,11 @@ MODES = {
     "rloo-dynamic_sampling-zero0": ["algorithm.name=rloo", "rollout.dynamic_sampling=true", "learner.num_ranks=1",
                                     "learner.zero_stage=0"],
     # LoRA: the checkpoint holds the adapters and their AdamW state only, the KL reference is the base with them
-    # off, each push sends merged q/k/v blocks; the exports: merged (not the base) and the adapter alone
-    "grpo-lora-sync-zero2-2ranks": ["learner.num_ranks=2", "learner.zero_stage=2", "learner.lora.rank=8",
-                                    "learner.lora.target_modules=[q_proj,v_proj]", "learner.lr=3e-3"],
+    # off, each push broadcasts the adapter alone and the engine serves it as a new LoRARequest; the exports:
+    # merged (not the base) and the adapter alone (the merged push: tests/test_lora.py)
+    "grpo-lora-adapter_push-collective-zero2-2ranks": [
+        "learner.num_ranks=2", "learner.zero_stage=2", "learner.lora.rank=8", "learner.lora.push=adapter",
+        "learner.lora.target_modules=[q_proj,v_proj]", "rollout.weight_sync=collective", "learner.lr=3e-3"],
 }
 SAME = ("reward/mean", "loss", "kl", "entropy", "actor/grad_norm", "rollout/logprob_gap_max", "rollout/staleness_max")
 

@@ -31,14 +31,10 @@ class ServedAdapter:
 
     def load(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         """Serve the pushed adapter as ``version``; returns the number of tensors received."""
-        from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         state = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors}
-        path = self.root / f"v{version}"
-        path.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(path / "adapter_model.safetensors"))
-        (path / "adapter_config.json").write_text(json.dumps(self._config(state)))
+        path = write_adapter(state, self.spec, self.root / f"v{version}")
         previous = self.request
         # ids start at 1 (vLLM), and a replaced engine may load the version the others serve: id = version + 1
         self.request = LoRARequest(f"policy-v{version}", version + 1, str(path))
@@ -49,12 +45,21 @@ class ServedAdapter:
             shutil.rmtree(previous.lora_path, ignore_errors=True)
         return len(state)
 
-    def _config(self, state: dict) -> dict:
-        """PEFT's ``adapter_config.json`` for these tensors (target modules: the adapted modules' last names)."""
-        targets = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in state})
-        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.spec["rank"],
-                "lora_alpha": self.spec["alpha"], "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
-                "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False, "use_dora": False}
-
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def write_adapter(state: dict[str, torch.Tensor], spec: dict, path: Path) -> Path:
+    """``state`` (PEFT's tensor names) as a PEFT adapter directory: ``adapter_model.safetensors`` and an
+    ``adapter_config.json`` whose target modules are the adapted modules' last names."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / "adapter_model.safetensors"))
+    targets = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in state})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec["rank"], "lora_alpha": spec["alpha"],
+              "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "modules_to_save": None, "use_rslora": False, "use_dora": False}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
