@@ -1,7 +1,8 @@
 """LoRA against full fine-tuning on SmolLM2-135M-Instruct (the demo task, ``configs/smollm2_arith_lora.yaml``):
 learner seconds per step, the learner ranks' peak RSS, push bytes and seconds, for full weights and LoRA ranks 8,
-32 and 128 on every linear layer (alpha = 2 x rank), each a real ``fleetrl train`` run (vLLM engines, DeepSpeed
-ranks, Ray) of a few steps with evals off.
+32 and 128 on every linear layer (alpha = 2 x rank) with the merged push, and ranks 8 and 32 with the adapter push
+(the engines serve base + adapter through vLLM's LoRA kernels: generation seconds per step in the table too), each
+a real ``fleetrl train`` run (vLLM engines, DeepSpeed ranks, Ray) of a few steps with evals off.
 
     python -m bench.lora [--quick] [--steps N]
 
@@ -22,6 +23,8 @@ VARIANTS = {
     "LoRA r=8": ["learner.lora.rank=8", "learner.lora.alpha=16"],
     "LoRA r=32": ["learner.lora.rank=32", "learner.lora.alpha=64"],
     "LoRA r=128": ["learner.lora.rank=128", "learner.lora.alpha=256"],
+    "LoRA r=8, push adapter": ["learner.lora.rank=8", "learner.lora.alpha=16", "learner.lora.push=adapter"],
+    "LoRA r=32, push adapter": ["learner.lora.rank=32", "learner.lora.alpha=64", "learner.lora.push=adapter"],
 }
 
 
@@ -33,6 +36,7 @@ def measure(label: str, steps: int) -> dict:
     return {
         "learner_s": round(median(r["time/learn_s"] for r in rows), 2),
         "step_s": round(median(r["time/step_s"] for r in rows), 2),
+        "generate_s": round(median(r["time/generate_s"] for r in rows), 2),
         "peak_rss_mb": round(max(r["memory/actor_peak_rss_mb_max"] for r in run["rows"]
                                  if "memory/actor_peak_rss_mb_max" in r)),
         "push_mb": round(rows[-1]["weight_sync/bytes"] / 2**20, 2),
@@ -46,9 +50,10 @@ def measure(label: str, steps: int) -> dict:
 def table(results: dict) -> tuple[list[str], list[list]]:
     full = results["full fine-tuning"]
     headers = ["variant", "learner s/step", "x full (speed)", "peak RSS MB per rank", "push MB", "% of full push",
-               "push s (incl. probe)", "probe max |dlogp|"]
+               "push s (incl. probe)", "probe max \\|dlogp\\|", "generate s/step", "step s"]
     rows = [[label, r["learner_s"], round(full["learner_s"] / r["learner_s"], 2), r["peak_rss_mb"], r["push_mb"],
-             round(100 * r["push_mb"] / full["push_mb"], 1), r["push_s"], f"{r['probe_max']:.1e}"]
+             round(100 * r["push_mb"] / full["push_mb"], 1), r["push_s"], f"{r['probe_max']:.1e}", r["generate_s"],
+             r["step_s"]]
             for label, r in results.items()]
     return headers, rows
 
