@@ -30,7 +30,7 @@ from orchestrator.algorithms import (  # noqa: F401 - re-exported: the algorithm
     RewardCondition,
     RLOOConfig,
 )
-from orchestrator.lora_config import LoraSection, missing_targets
+from orchestrator.lora_config import LoraSection, check_lora
 from orchestrator.search.config import PRMSection, SearchSection
 from orchestrator.section import Section
 
@@ -527,15 +527,8 @@ class FleetConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _check_lora_targets(self) -> FleetConfig:
-        lora = self.learner.lora
-        if lora.enabled and self.learner.zero_stage == 3:
-            raise ValueError("learner.lora.rank > 0 needs learner.zero_stage 0, 1 or 2 (got 3): under ZeRO-3 the "
-                             "frozen base's tied output embedding is released before the chunked LM head's backward")
-        missing = missing_targets(self.model.path, lora.target_modules) if lora.enabled else None
-        if missing:
-            raise ValueError(f"learner.lora.target_modules: {missing} match no module of {self.model.path}; "
-                             "give module names the model has (e.g. q_proj, v_proj) or `all-linear`")
+    def _check_lora(self) -> FleetConfig:
+        check_lora(self.learner.lora, self.model.path, self.learner.zero_stage)
         return self
 
     @property
