@@ -80,8 +80,9 @@ class MergedWeights(Mapping):
             self.sources[base_name] = (p, self.layers.get(module) if name.endswith(".base_layer.weight") else None)
 
     def specs(self) -> list[tuple[str, tuple[int, ...], str]]:
-        return [(n, tuple(getattr(p, "ds_shape", p.shape)), str(p.dtype).removeprefix("torch."))
-                for n, (p, _) in self.sources.items()]
+        from workers.weight_buckets import param_specs
+
+        return param_specs([(n, p) for n, (p, _) in self.sources.items()])
 
     def __getitem__(self, name: str) -> torch.Tensor:
         p, layer = self.sources[name]

@@ -228,7 +228,6 @@ class LearnerWorker(LoggedActor):
         (no separate round trip); when it sent no old logprobs (a batch used once) this first pass's own logprobs
         are the old ones. On the first pass over a policy-gradient batch (weights not yet updated) the largest
         |learner - engine| logprob gap of the sampled tokens is measured for free."""
-
         from learner.losses import call_loss
 
         if mb.ref_logprobs is None and self.has_ref:
