@@ -138,14 +138,17 @@ def _eval_parsers(sub) -> None:
     da.add_argument("action", choices=["cold-start", "tool-demos"])
     da.add_argument("-c", "--config", help="config YAML (tool-demos: its data.task, data.system_prompt, env.tools)")
     da.add_argument("--task", help="built-in task (cold-start: arithmetic, countdown; tool-demos: multiply, "
-                    "arithmetic); default: the config's data.task")
+                    "arithmetic, tool_choice); default: the config's data.task")
     da.add_argument("--n", type=int, required=True, help="rows")
     da.add_argument("--out", required=True, help="JSONL file to write")
     da.add_argument("overrides", nargs="*", help="data.* overrides, e.g. data.prompt_style=text")
 
 
 def _data_command(args) -> int:
-    cfg = load_config(args.config, [*([f"data.task={args.task}"] if args.task else []), *args.overrides])
+    overrides = [*([f"data.task={args.task}"] if args.task else []), *args.overrides]
+    from orchestrator.recipes.pipeline import config_or_stage
+
+    cfg = config_or_stage(args.config, overrides, writes=args.action.replace("-", "_"))
     if args.action == "tool-demos":
         from orchestrator.recipes.tool_demos import write_tool_demos
 

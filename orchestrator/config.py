@@ -57,12 +57,14 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    task: Literal["arithmetic", "countdown", "multi", "multiply", "chain"] = "arithmetic"
+    task: Literal["arithmetic", "countdown", "multi", "multiply", "chain", "tool_choice"] = "arithmetic"
     """Built-in prompt generator (used when `path` is not set): `arithmetic` (`a+b=`, reward `math`),
     `countdown` (TinyZero Countdown, reward `countdown`), `multi` (two-operation arithmetic for multi-reward
     GDPO: `math` + `format` + `length`), `multiply` (3-digit by 2-digit products: the tool task for multi-turn
     `env` episodes with the calculator), `chain` (chained addition written as running totals, one step each: the
-    step task of process supervision and search, docs/search.md). See the README, "Rewards, tasks and datasets"."""
+    step task of process supervision and search, docs/search.md), `tool_choice` (a multiplication or a letter count,
+    half each: the chat-model task where the policy chooses between the `calculator` and `python` tools,
+    docs/agents.md). See the README, "Rewards, tasks and datasets"."""
     path: str | None = None
     """A dataset to train on instead of the built-in task: JSONL (one JSON object per line) or, for a path
     ending in `.parquet`, a Parquet file."""
@@ -425,7 +427,9 @@ class EnvConfig(Section):
     """Token budget of an episode: prompt + every turn + every observation (also the engines' context length).
     A turn is cut to what is left; an observation that would overflow ends the episode (`max_total_tokens`)."""
     episode_timeout_s: float = Field(60.0, gt=0.0)
-    """Wall-clock limit of one episode (reason `timeout`; the episode counts as errored)."""
+    """Time the environment may spend in one episode: `reset`, every `step` and the tools they run, summed; the
+    engine's turns (queued behind every other episode) do not count. Past it the episode ends with reason
+    `timeout` and counts as errored."""
     tool_timeout_s: float = Field(5.0, gt=0.0)
     """Per tool call: a call running longer becomes an error observation; the episode goes on."""
     max_tool_output_chars: int = Field(2000, ge=16)

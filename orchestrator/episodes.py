@@ -34,9 +34,23 @@ def episode_metrics(samples: list) -> dict:
            "env/truncated_frac": sum(e.termination in LIMITED for e in eps) / n,
            "env/errored_frac": sum(e.errored for e in eps) / n,
            "env/leak_rate": sum(e.leaked_turns for e in eps) / max(turns, 1)}
+    chosen = [(e.tools_called[0], s.metadata["tool"]) for s, e in zip(samples, eps)
+              if e.tools_called and "tool" in s.metadata]
+    if chosen:  # a task that names each problem's tool (tool_choice): of the episodes that called one, the right one
+        out["env/right_tool_rate"] = sum(called == right for called, right in chosen) / len(chosen)
     for reason in sorted({e.termination for e in eps}):
         out[f"env/termination/{reason}"] = sum(e.termination == reason for e in eps) / n
     if latency:
         out["env/tool_latency_p50_s"] = latency[len(latency) // 2]
         out["env/tool_latency_p99_s"] = latency[min(len(latency) - 1, int(0.99 * len(latency)))]
     return out
+
+
+EVAL_KEYS = ("tool_call_rate", "right_tool_rate", "tool_error_rate", "leak_rate", "errored_frac")
+
+
+def eval_episode_metrics(samples: list) -> dict:
+    """The greedy eval's view of its episodes: ``eval/tool_call_rate``, ``eval/right_tool_rate`` (tasks that name
+    each problem's tool), ``eval/tool_error_rate``, ``eval/leak_rate``, ``eval/errored_frac``."""
+    step = episode_metrics(samples)
+    return {f"eval/{k}": step[f"env/{k}"] for k in EVAL_KEYS if f"env/{k}" in step}

@@ -119,7 +119,7 @@ def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "re
         "temperature": cfg.rollout.temperature, "seed": cfg.rollout.seed, "select": select,
         "greedy_accuracy": sum(is_correct(verifier, s.prompt_text, s.completion_text, s.metadata)
                                for s in greedy) / len(greedy),
-        **summarize(groups, ns), "reward_errors": errors, "seconds": round(time.perf_counter() - t0, 1),
+        **summarize(groups, ns), **(_episodes(greedy) if cfg.env.name else {}), "reward_errors": errors, "seconds": round(time.perf_counter() - t0, 1),
     }
     path = Path(out) if out else Path(cfg.run.dir) / "eval.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -129,6 +129,13 @@ def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "re
     return report
 
 
+def _episodes(greedy: list) -> dict:
+    """The greedy episodes' tool use (``env.name`` set): the ``eval/*`` numbers a training run logs."""
+    from orchestrator.episodes import eval_episode_metrics
+
+    return {"greedy_" + k.removeprefix("eval/"): v for k, v in eval_episode_metrics(greedy).items()}
+
+
 def format_table(report: dict) -> str:
     """The report as a small console table."""
     lines = [f"{report['model_path']}: {report['num_prompts']} prompts, temperature {report['temperature']}, "
@@ -136,4 +143,8 @@ def format_table(report: dict) -> str:
              f"greedy accuracy {report['greedy_accuracy']:.3f}   mean sample accuracy {report['sample_accuracy']:.3f}",
              f"{'N=k':>6} {'pass@k':>8} {'best-of-N':>10}"]
     lines += [f"{n:>6} {report['pass@k'][str(n)]:>8.3f} {report['best_of_n'][str(n)]:>10.3f}" for n in report["n"]]
+    tools = [f"{k.removeprefix('greedy_')} {v:.3f}" for k, v in report.items()
+             if k.startswith("greedy_") and k != "greedy_accuracy"]
+    if tools:
+        lines.append("greedy episodes: " + ", ".join(tools))
     return "\n".join(lines)

@@ -63,10 +63,10 @@ def submit(config: str | None, overrides: list[str], address: str | None, python
     """Validate the config here (nothing is submitted when it is bad), then submit the driver as a Ray job with
     the current directory as its working dir. A recipe (a YAML with ``stages``) runs as `fleetrl pipeline`, every
     stage of it checked first. Returns the job id."""
+    from orchestrator.recipes.pipeline import check_inputs, is_recipe, load_recipe
+
     command = "pipeline" if config is not None and is_recipe(config) else "train"
     if command == "pipeline":
-        from orchestrator.recipes.pipeline import check_inputs, load_recipe
-
         stages = load_recipe(config, overrides)
         check_inputs(stages)
         cfg = stages[0].cfg
@@ -87,17 +87,6 @@ def submit(config: str | None, overrides: list[str], address: str | None, python
                      "env_vars": {"TOKENIZERS_PARALLELISM": "false", **(env or {})}},
         metadata={"fleetrl_run": run, "fleetrl_config": config or ""},
     )
-
-
-def is_recipe(path: str) -> bool:
-    """Whether a YAML file is a multi-stage recipe (has ``stages``) rather than a run config."""
-    import yaml
-
-    try:
-        tree = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
-        return False  # load_config reports it
-    return isinstance(tree, dict) and "stages" in tree
 
 
 def latest_job(client) -> str:

@@ -23,7 +23,7 @@ from orchestrator import checkpoint as ckpt
 from orchestrator.config import FleetConfig, dump_config
 from orchestrator.console import Console, banner, sample_line, slow_bf16_warning
 from orchestrator.controller import start_controller
-from orchestrator.episodes import drop_errored_groups, episode_metrics
+from orchestrator.episodes import drop_errored_groups, episode_metrics, eval_episode_metrics
 from orchestrator.launch import init_ray, load_tokenizer, make_task, max_model_len
 from orchestrator.metrics import MetricsLogger, PhaseTimer
 from orchestrator.pools import (
@@ -471,7 +471,7 @@ class Trainer:
         out = {"eval/accuracy": sum(correct) / len(correct), "eval/restate_frac": restating,
                "time/eval_s": time.perf_counter() - t0}
         if self.cfg.env.name:
-            out["eval/tool_call_rate"] = sum(s.episode.tool_calls > 0 for s in samples) / len(samples)
+            out.update(eval_episode_metrics(samples))
         return out
 
     def correct(self, samples: list) -> list[bool]:

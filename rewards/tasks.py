@@ -399,6 +399,45 @@ class MultiplyTask(GeneratedTask):
         return out
 
 
+class ToolChoiceTask(GeneratedTask):
+    """Two kinds of problem, two tools: the policy has to choose (issue #28). Half are multiplications of a
+    3-digit by a 2-digit number (``What is 347 * 58?``: the ``calculator``, arguments ``{"expression": ...}``), half
+    count a letter in a random string (``How many times does the letter 'c' appear in 'cabdcefa...'?``: the
+    ``python`` tool, arguments ``{"code": ...}``; the calculator cannot do it). The prompt does not name the tool.
+    Both answers are one integer (verifier ``math``). metadata: ``{"answer", "kind": "multiply" | "count",
+    "tool": the tool that solves it, ...}`` (``a``, ``b`` or ``text``, ``letter``); ``env/right_tool_rate`` reads
+    ``tool``. The split is decided by the problem's text."""
+
+    name = "tool_choice"
+    config_fields = {"seed": "seed", "prompt_style": "prompt_style"}
+    widen_hint = "nothing (the ranges are fixed)"
+    verifier = "math"
+    letters = "abcdef"
+    string_length = (12, 16)
+
+    def __init__(self, seed: int = 0, prompt_style: PromptStyle = "text"):
+        if prompt_style != "text":
+            raise ValueError(f"task 'tool_choice': prompt_style must be 'text' (a chat model's task), got "
+                             f"{prompt_style!r}")
+        self.seed, self.prompt_style = seed, prompt_style
+
+    def draw(self, rng: random.Random, held_out: bool) -> tuple[str, str, dict] | None:
+        if rng.random() < 0.5:
+            a, b = rng.randint(100, 999), rng.randint(10, 99)
+            key = f"{a}*{b}"
+            if not self.in_split(key, held_out):
+                return None
+            return key, f"What is {a} * {b}? Reply with the number only.", \
+                {"answer": str(a * b), "kind": "multiply", "tool": "calculator", "a": a, "b": b}
+        text = "".join(rng.choice(self.letters) for _ in range(rng.randint(*self.string_length)))
+        letter = rng.choice(self.letters)
+        key = f"{letter} in {text}"
+        if not self.in_split(key, held_out):
+            return None
+        return key, f"How many times does the letter '{letter}' appear in '{text}'? Reply with the number only.", \
+            {"answer": str(text.count(letter)), "kind": "count", "tool": "python", "text": text, "letter": letter}
+
+
 class ChainTask(GeneratedTask):
     """Chained addition with its steps written out: the built-in step-structured task (process supervision,
     PRMs, step-level search). ``a+b+c+d=`` is solved as the running totals, one step each, the last one the
@@ -492,7 +531,7 @@ def step_truth(steps: list[str], metadata: dict) -> list[bool]:
 
 
 TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "multi": MultiTask, "multiply": MultiplyTask,
-         "chain": ChainTask}
+         "chain": ChainTask, "tool_choice": ToolChoiceTask}
 
 
 def make_task(name: str, **kwargs) -> ArithmeticTask | GeneratedTask:

@@ -147,6 +147,29 @@ def test_environment_errors_and_timeouts_end_only_their_episode():
         assert ep.termination == reason and ep.errored and Counting.closed == 1
 
 
+def test_the_episode_timeout_counts_the_environments_time_not_the_engines():
+    """Turns that wait 0.4 s each for a busy engine (3 turns: 1.2 s) fit a 0.5 s episode limit: it bounds the
+    environment, whose three steps of 0.2 s each (0.6 s) do not fit."""
+    def slow_engine(texts):
+        inner = scripted(TOK, texts)
+
+        async def generate(ids, max_new_tokens):
+            await asyncio.sleep(0.4)
+            return await inner(ids, max_new_tokens)
+
+        return generate
+
+    class Slow(Counting):
+        async def step(self, action):
+            await asyncio.sleep(0.2)
+            return await super().step(action)
+
+    ep = play(Counting([CALCULATOR]), TextRenderer(TOK), slow_engine(["[1+1]", "[2+2]", "6"]), episode_timeout_s=0.5)
+    assert ep.termination == "done" and ep.tool_calls == 2, ep.termination
+    ep = play(Slow([CALCULATOR]), TextRenderer(TOK), scripted(TOK, ["[1+1]", "[2+2]", "6"]), episode_timeout_s=0.5)
+    assert ep.termination == "timeout" and ep.tool_calls == 2, (ep.termination, ep.tool_calls)
+
+
 def test_a_tool_past_its_timeout_does_not_stall_the_other_episodes():
     """8 episodes at once; one's tool sleeps 3 s under a 0.3 s timeout. The other 7 finish at once; the slow one
     gets an error observation after ~0.3 s and finishes too."""
@@ -375,3 +398,37 @@ def test_a_tool_call_cut_by_the_length_cap_calls_nothing_and_ends_the_episode_tr
                                  0, EpisodeLimits(max_total_tokens=512, max_new_tokens=12), generate))
     assert ep.termination == "truncated" and ep.tool_calls == 0 and not called
     assert ep.token_ids[ep.prompt_len:] == cut and ep.mask[ep.prompt_len:] == [1] * len(cut)
+
+
+def test_tool_choice_demos_call_each_problems_own_tool_and_the_metrics_score_the_choice():
+    """`tool_choice` problems are half products (calculator), half letter counts (python; the calculator refuses
+    them); each demonstration calls its problem's tool and the real result is the answer. `env/right_tool_rate`
+    is the share of calling episodes whose first call named the problem's tool, computed from the calls."""
+    from orchestrator.episodes import episode_metrics, eval_episode_metrics
+    from orchestrator.recipes.pipeline import config_or_stage
+    from orchestrator.recipes.tool_demos import tool_demo_rows
+    from workers.records import EpisodeStats, Sample
+
+    cfg = config_or_stage(str(ROOT / "configs/smollm2_tools.yaml"), [], writes="tool_demos")
+    rows = tool_demo_rows(cfg, 40)
+    kinds = {"calculator": "What is", "python": "How many times"}
+    for row in rows:
+        name = json.loads(row["messages"][1]["content"].removeprefix("<tool_call>").removesuffix("</tool_call>"))
+        assert row["messages"][0]["content"].startswith(kinds[name["name"]])
+        assert row["messages"][2]["content"].strip() == row["messages"][3]["content"]
+    assert 10 < sum("python" in r["messages"][1]["content"] for r in rows) < 30
+    with pytest.raises(ValueError):
+        calculate("'abcab'.count('a')")
+
+    def sample(tool: str, called: list[str]) -> Sample:
+        ep = EpisodeStats("done", 1 + len(called), len(called), 0, [0.1] * len(called), 0, 0, [0], [0.0], False,
+                          called)
+        return Sample("u", 0, "p", [1], [5], [-1.0], "8", "stop", 0, metadata={"tool": tool}, episode=ep)
+
+    samples = [sample("python", ["python"]), sample("python", ["calculator", "python"]),
+               sample("calculator", ["calculator"]), sample("calculator", [])]
+    m = episode_metrics(samples)
+    assert m["env/right_tool_rate"] == 2 / 3 and m["env/tool_call_rate"] == 0.75
+    assert eval_episode_metrics(samples)["eval/right_tool_rate"] == 2 / 3
+    del samples[0].metadata["tool"], samples[1].metadata["tool"], samples[2].metadata["tool"]
+    assert "env/right_tool_rate" not in episode_metrics(samples)  # a task that names no tool

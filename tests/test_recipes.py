@@ -258,7 +258,8 @@ def test_recipe_stages_chain_models_and_command_line_overrides_apply_to_every_st
 
 
 def test_submit_checks_a_recipe_like_the_pipeline_before_contacting_the_cluster(tmp_path):
-    from orchestrator.jobs import is_recipe, submit
+    from orchestrator.jobs import submit
+    from orchestrator.recipes.pipeline import is_recipe
 
     bad = _recipe(tmp_path, BASE % (tmp_path / "run") + "stages: [{name: a, kind: sftt}]\n")
     assert is_recipe(str(bad)) and not is_recipe(os.path.join(ROOT, "configs", "default.yaml"))

@@ -58,7 +58,8 @@ class EpisodeFactory:
             termination=ep.termination, turns=len(ep.turn_texts), tool_calls=ep.tool_calls,
             tool_errors=ep.tool_errors, tool_seconds=ep.tool_seconds, observation_tokens=ep.observation_tokens,
             leaked_turns=sum(self.renderer.leaked(t) for t in ep.turn_texts),
-            turn_ends=[e - P for e in ep.turn_ends], turn_rewards=ep.turn_rewards, errored=ep.errored)
+            turn_ends=[e - P for e in ep.turn_ends], turn_rewards=ep.turn_rewards, errored=ep.errored,
+            tools_called=ep.tools_called)
         limited = ep.termination in ("max_total_tokens", "truncated") and ep.finish_reason == "length"
         return Sample(
             prompt_uid=uid, sample_index=j, prompt_text=self.tokenizer.decode(ep.token_ids[:P]),

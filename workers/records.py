@@ -19,6 +19,7 @@ class EpisodeStats:
     turn_ends: list[int]  # completion-relative index of each turn's last sampled token
     turn_rewards: list[float]  # the environment's reward for each turn
     errored: bool  # the environment raised or the episode timed out
+    tools_called: list[str] = field(default_factory=list)  # the tool each call named, in order
 
 
 @dataclass

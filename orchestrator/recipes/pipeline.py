@@ -38,7 +38,8 @@ import yaml
 from pydantic import ValidationError
 
 from orchestrator import checkpoint as ckpt
-from orchestrator.config import ConfigError, FleetConfig, _format_validation_error, apply_override, dump_config
+from orchestrator.config import (ConfigError, FleetConfig, _format_validation_error, apply_override, dump_config,
+                                 load_config)
 from rewards.datasets import DatasetError
 
 COMMANDS = {"sft": "sft", "rl": "train", "rft": "rft", "distill": "distill", "dpo": "train"}
@@ -83,6 +84,24 @@ def _read_yaml(path: Path, what: str) -> dict:
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(tree).__name__}")
     return tree
+
+
+def is_recipe(path: str) -> bool:
+    """Whether a YAML file is a multi-stage recipe (has ``stages``) rather than a run config."""
+    try:
+        tree = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False  # load_config reports it
+    return isinstance(tree, dict) and "stages" in tree
+
+
+def config_or_stage(path: str | None, overrides: list[str], writes: str | None = None) -> FleetConfig:
+    """A config file's settings; for a pipeline recipe (a file with ``stages``) those of the stage that writes
+    ``writes`` data (``cold_start``, ``tool_demos``), else of its last stage."""
+    if not (path and is_recipe(path)):
+        return load_config(path, overrides)
+    stages = load_recipe(path, overrides)
+    return next((st.cfg for st in stages if writes and st.writes and st.writes[0] == writes), stages[-1].cfg)
 
 
 def load_recipe(path: str | Path, cli_overrides: list[str]) -> list[Stage]:

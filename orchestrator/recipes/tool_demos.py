@@ -20,7 +20,7 @@ from pathlib import Path
 
 from orchestrator.config import ConfigError, FleetConfig
 from rewards.functions import load_reward_function
-from rewards.tasks import ArithmeticTask, MultiplyTask, make_task_from_config
+from rewards.tasks import ArithmeticTask, MultiplyTask, ToolChoiceTask, make_task_from_config
 from workers.envs.tools import load_tool, run_tool
 
 
@@ -31,14 +31,21 @@ def tool_call_text(name: str, arguments: dict) -> str:
 
 def demo_call(task, meta: dict, tools: list[str]) -> tuple[str, dict]:
     """The tool and arguments that solve a prompt of ``task``: the calculator on the problem's expression, or the
-    python tool printing it when only that is configured."""
+    python tool printing it when only that is configured; for ``tool_choice`` the problem's own tool (a letter
+    count is ``print('<text>'.count('<letter>'))`` in python)."""
+    if isinstance(task, ToolChoiceTask):
+        if meta["tool"] not in tools:
+            raise ConfigError(f"env.tools: {tools}; task tool_choice needs both calculator and python")
+        if meta["kind"] == "count":
+            return "python", {"code": f"print({meta['text']!r}.count({meta['letter']!r}))"}
+        return "calculator", {"expression": f"{meta['a']}*{meta['b']}"}
     if isinstance(task, MultiplyTask):
         expression = f"{meta['a']}*{meta['b']}"
     elif isinstance(task, ArithmeticTask):
         expression = "+".join(str(x) for x in meta["operands"])
     else:
         raise ConfigError(f"fleetrl data tool-demos: no known tool solution for task {task.name!r}; supported: "
-                          "multiply, arithmetic")
+                          "multiply, arithmetic, tool_choice")
     if "calculator" in tools:
         return "calculator", {"expression": expression}
     if "python" in tools:

@@ -12,12 +12,13 @@ The token contract (what the learner trains on):
 Limits (:class:`EpisodeLimits`) end an episode cleanly with a recorded ``termination``: ``done`` (the environment
 said so), ``max_turns``, ``max_tool_calls``, ``max_total_tokens`` (a turn is cut to the budget left; an
 observation that would overflow it is not appended), ``truncated`` (a turn hit the per-turn cap unfinished),
-``timeout`` (wall clock) or ``env_error`` (the environment raised). ``close()`` is called once in every case.
+``timeout`` (the environment's own time, see :class:`EnvClock`) or ``env_error`` (the environment raised). ``close()`` is called once in every case.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from workers.envs.api import Action, Environment, call
@@ -30,7 +31,25 @@ class EpisodeLimits:
     max_tool_calls: int = 4
     max_total_tokens: int = 1024
     max_new_tokens: int = 64  # per turn
-    episode_timeout_s: float = 60.0
+    episode_timeout_s: float = 60.0  # the environment's time (reset, steps, tools), see EnvClock
+
+
+class EnvClock:
+    """The time an episode's environment may spend: ``reset``, every ``step`` and the tools they call, summed.
+    The engine's turns do not count: they wait behind every other episode the engine serves (100 greedy eval
+    episodes on one 2-core engine take a minute each), so a wall-clock limit would cut healthy episodes under
+    load while it is there for a hanging environment. Past the limit the pending call is cancelled
+    (``TimeoutError``)."""
+
+    def __init__(self, limit_s: float):
+        self.left = limit_s
+
+    async def run(self, awaitable):
+        t0 = time.perf_counter()
+        try:
+            return await asyncio.wait_for(awaitable, max(self.left, 0.0))
+        finally:
+            self.left -= time.perf_counter() - t0
 
 
 ERRORED = ("timeout", "env_error")
@@ -53,6 +72,7 @@ class Episode:
     termination: str = ""
     tool_calls: int = 0
     tool_errors: int = 0
+    tools_called: list[str] = field(default_factory=list)  # the name of each call, in order
     tool_seconds: list[float] = field(default_factory=list)
     observation_tokens: int = 0
     finish_reason: str = "stop"  # of the last turn
@@ -74,7 +94,7 @@ async def run_episode(env: Environment, renderer: Renderer, task: dict, seed: in
     ``finish_reason``), supplied by the caller (the rollout actor backs it with vLLM)."""
     ep = Episode()
     try:
-        await asyncio.wait_for(_play(env, renderer, task, seed, limits, generate, ep), limits.episode_timeout_s)
+        await _play(env, renderer, task, seed, limits, generate, ep, EnvClock(limits.episode_timeout_s))
     except TimeoutError:
         ep.termination = "timeout"
     except Exception as e:  # the environment's (or renderer's) failure ends this episode only
@@ -87,8 +107,9 @@ async def run_episode(env: Environment, renderer: Renderer, task: dict, seed: in
     return ep
 
 
-async def _play(env, renderer: Renderer, task: dict, seed: int, limits: EpisodeLimits, generate, ep: Episode):
-    ep.messages = renderer.conversation(await call(env.reset, task, seed))
+async def _play(env, renderer: Renderer, task: dict, seed: int, limits: EpisodeLimits, generate, ep: Episode,
+                clock: EnvClock):
+    ep.messages = renderer.conversation(await clock.run(call(env.reset, task, seed)))
     ep.append(renderer.initial(ep.messages))
     ep.prompt_len = len(ep.token_ids)
     for _ in range(limits.max_turns):
@@ -107,7 +128,7 @@ async def _play(env, renderer: Renderer, task: dict, seed: int, limits: EpisodeL
             ep.turn_rewards.append(0.0)
             ep.termination = "max_tool_calls"
             return
-        result = await call(env.step, Action(list(turn.token_ids), turn.text, turn.finish_reason, calls))
+        result = await clock.run(call(env.step, Action(list(turn.token_ids), turn.text, turn.finish_reason, calls)))
         _count_tools(ep, calls, result.info)
         ep.turn_rewards.append(float(result.reward))
         if turn.finish_reason == "length":  # a turn cut unfinished ends the episode, and says so
@@ -130,5 +151,6 @@ def _count_tools(ep: Episode, calls: list, info: dict) -> None:
     ep.tool_calls += len(calls)
     for record in info.pop("tool_calls", []):
         ep.tool_seconds.append(record["seconds"])
+        ep.tools_called.append(record["name"])
         ep.tool_errors += record["error"] is not None
     ep.info.update(info)
