@@ -107,7 +107,7 @@ def test_countdown_accuracy_needs_an_expression_not_the_target():
 def test_every_task_names_its_verifier():
     assert {name: cls.verifier for name, cls in TASKS.items()} == {"arithmetic": "math", "countdown": "countdown",
                                                                   "multi": "math", "multiply": "math",
-                                                                  "chain": "chain"}
+                                                                  "chain": "chain", "tool_choice": "math"}
     assert make_task_from_config(DataConfig(task="arithmetic")).verifier_fn is math_reward
     assert make_task_from_config(DataConfig(task="multi", prompt_style="compact")).verifier_fn is math_reward
     assert make_task_from_config(DataConfig(task="countdown")).verifier_fn is countdown_reward
