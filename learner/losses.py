@@ -155,13 +155,16 @@ def sft_loss(logp: Tensor, mask: Tensor, scale: LossScale) -> tuple[Tensor, dict
 
 
 @register_loss("dpo")
-def dpo_loss(logp: Tensor, ref_logp: Tensor, mask: Tensor, scale: LossScale, *, beta: float = 0.1,
-             label_smoothing: float = 0.0) -> tuple[Tensor, dict]:
+def dpo_loss(logp: Tensor, ref_logp: Tensor, mask: Tensor, scale: LossScale, targets: Tensor | None = None, *,
+             beta: float = 0.1, label_smoothing: float = 0.0) -> tuple[Tensor, dict]:
     """DPO (Rafailov et al. 2023) on preference pairs laid out as consecutive rows: row ``2k`` the chosen response,
     row ``2k + 1`` the rejected one, of the same prompt. With sequence logprobs ``c, r`` (policy) and ``c0, r0``
     (reference), the margin is ``z = beta * ((c - c0) - (r - r0))`` and the loss
-    ``-(1 - ls) * log sigmoid(z) - ls * log sigmoid(-z)`` (``ls`` = label smoothing, cDPO), averaged over the
-    minibatch's pairs (``scale.num_seqs / 2``). A pair with an empty row (a filler) adds nothing."""
+    ``-q * log sigmoid(z) - (1 - q) * log sigmoid(-z)``, averaged over the minibatch's pairs
+    (``scale.num_seqs / 2``), where ``q`` is the probability that the chosen row is preferred: 1 for a hard label,
+    the pair's soft label ``p`` from ``targets`` (its value on the chosen row's tokens: an AI judge's preference
+    probability, Constitutional AI), and with label smoothing ``ls`` (cDPO) ``q = p (1 - ls) + (1 - p) ls``.
+    A pair with an empty row (a filler) adds nothing."""
     if logp.shape[0] % 2:
         raise ValueError(f"dpo_loss needs (chosen, rejected) row pairs, got {logp.shape[0]} rows")
     m = mask.to(logp.dtype)
@@ -169,8 +172,10 @@ def dpo_loss(logp: Tensor, ref_logp: Tensor, mask: Tensor, scale: LossScale, *, 
     real = (m.sum(-1) > 0).view(-1, 2).all(-1).to(logp.dtype)
     chosen_reward, rejected_reward = beta * (seq[:, 0] - ref[:, 0]), beta * (seq[:, 1] - ref[:, 1])
     z = chosen_reward - rejected_reward
-    per_pair = -(1.0 - label_smoothing) * torch.nn.functional.logsigmoid(z) \
-        - label_smoothing * torch.nn.functional.logsigmoid(-z)
+    p = torch.ones_like(z) if targets is None else \
+        ((targets * m).sum(-1) / m.sum(-1).clamp(min=1.0)).view(-1, 2)[:, 0].to(logp.dtype)
+    q = p * (1.0 - label_smoothing) + (1.0 - p) * label_smoothing
+    per_pair = -q * torch.nn.functional.logsigmoid(z) - (1.0 - q) * torch.nn.functional.logsigmoid(-z)
     pairs = max(scale.num_seqs // 2, 1)
 
     def share(v: Tensor) -> Tensor:

@@ -107,6 +107,15 @@ def _eval_parsers(sub) -> None:
                     "greedy, majority, orm_best_of_n, prm_best_of_n[:min|last|prod], prm_beam, mcts, revision")
     ev.add_argument("--budgets", default="1,4,16", help="with --search: comma-separated budgets N")
     ev.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.eval_size=100")
+    ca = sub.add_parser("cai", help="Constitutional AI data from the policy on the rollout engines: `revise` "
+                        "(SL-CAI: answers critiqued and revised against the principles, SFT rows) or `prefer` "
+                        "(RL-CAI: response pairs labelled by a judge's option probabilities, DPO pairs); "
+                        "settings in the cai section, docs/cai.md")
+    ca.add_argument("action", choices=["revise", "prefer"])
+    ca.add_argument("-c", "--config", help="YAML config file (its data.task, cai section, engines)")
+    ca.add_argument("--n", type=int, required=True, help="prompts (rows)")
+    ca.add_argument("--out", required=True, help="JSONL file to write")
+    ca.add_argument("overrides", nargs="*", help="dotted overrides, e.g. cai.judge=rule")
     pr = sub.add_parser("prm", help="process reward models: `label` the policy's steps by Monte-Carlo continuations "
                         "(Math-Shepherd), `train` a PRM on the labels")
     actions = pr.add_subparsers(dest="action", required=True)
@@ -174,6 +183,11 @@ def _eval_command(args, cfg: FleetConfig) -> int:
         if not args.checkpoint:
             raise ConfigError("fleetrl eval: give --checkpoint (a run's final/, a checkpoint dir or an HF model dir)")
         run_eval(cfg, args.checkpoint, parse_ns(args.n), args.select, args.out)
+        return 0
+    if args.command == "cai":
+        from orchestrator.recipes.cai import prefer, revise
+
+        print(json.dumps((revise if args.action == "revise" else prefer)(cfg, args.n, args.out)))
         return 0
     if args.command == "prm":
         from orchestrator.recipes.prm import run_label, run_prm_train
@@ -335,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         from rewards.reward_model import ensure_reward_model
 
         ensure_reward_model(cfg.reward.model.path, cfg.model.path)
-        if args.command in ("eval", "rft", "sft", "distill", "prm"):
+        if args.command in ("eval", "rft", "sft", "distill", "prm", "cai"):
             return _eval_command(args, cfg)
         return _train(cfg, args.resume)
     except (ConfigError, FileNotFoundError, DatasetError) as e:

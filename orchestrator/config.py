@@ -30,6 +30,7 @@ from orchestrator.algorithms import (  # noqa: F401 - re-exported: the algorithm
     RewardCondition,
     RLOOConfig,
 )
+from orchestrator.cai_config import CAISection
 from orchestrator.lora_config import LoraSection, check_lora
 from orchestrator.search.config import PRMSection, SearchSection
 from orchestrator.section import Section
@@ -57,14 +58,16 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    task: Literal["arithmetic", "countdown", "multi", "multiply", "chain", "tool_choice"] = "arithmetic"
+    task: Literal["arithmetic", "countdown", "multi", "multiply", "chain", "tool_choice", "constitution"] = \
+        "arithmetic"
     """Built-in prompt generator (used when `path` is not set): `arithmetic` (`a+b=`, reward `math`),
     `countdown` (TinyZero Countdown, reward `countdown`), `multi` (two-operation arithmetic for multi-reward
     GDPO: `math` + `format` + `length`), `multiply` (3-digit by 2-digit products: the tool task for multi-turn
     `env` episodes with the calculator), `chain` (chained addition written as running totals, one step each: the
     step task of process supervision and search, docs/search.md), `tool_choice` (a multiplication or a letter count,
     half each: the chat-model task where the policy chooses between the `calculator` and `python` tools,
-    docs/agents.md). See the README, "Rewards, tasks and datasets"."""
+    docs/agents.md), `constitution` (chat prompts whose principles are checked by rule: one sentence, a secret
+    word kept, numbers in words; Constitutional AI, docs/cai.md). See the README, "Rewards, tasks and datasets"."""
     path: str | None = None
     """A dataset to train on instead of the built-in task: JSONL (one JSON object per line) or, for a path
     ending in `.parquet`, a Parquet file."""
@@ -496,6 +499,7 @@ class FleetConfig(Section):
     env: EnvConfig = Field(default_factory=EnvConfig)
     prm: PRMSection = Field(default_factory=PRMSection)
     search: SearchSection = Field(default_factory=SearchSection)
+    cai: CAISection = Field(default_factory=CAISection)
 
     @property
     def engine_dtype(self) -> str:

@@ -197,6 +197,13 @@ class RolloutPool(ActorPool):
                                                                   temperature, r.top_p, seed, None, stop), parts)
         return [s for out in outs for s in out]
 
+    def option_logprobs(self, prompts: list[list[dict]], prefix: str, option_ids: list[int]) -> list[list[float]]:
+        """Each chat prompt's next-token logprobs of ``option_ids`` after ``prefix``, spread over the engines in
+        order (:meth:`RolloutWorker.option_logprobs`)."""
+        outs = self.fan_out(lambda w, part: w.option_logprobs.remote(part, prefix, option_ids),
+                            _chunks(prompts, len(self.workers)))
+        return [x for out in outs for x in out]
+
     def probe(self, prompts: list[Prompt], max_new_tokens: int, seed: int) -> list[Sample]:
         """Every engine samples each prompt once with the same seed (the weight push's check), at the temperature
         the learner scores at (:func:`learner_temperature`), so the two logprobs compare."""

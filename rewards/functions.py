@@ -80,7 +80,7 @@ def is_correct(verifier: RewardFn, prompt: str, completion: str, metadata: dict)
 
 
 # Modules holding more built-ins (imported on first lookup, so importing this module stays light).
-BUILTIN_MODULES: tuple[str, ...] = ("rewards.remote", "rewards.tasks", "rewards.code")
+BUILTIN_MODULES: tuple[str, ...] = ("rewards.remote", "rewards.tasks", "rewards.code", "rewards.constitution")
 
 
 def load_builtins() -> None:

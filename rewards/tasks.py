@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib
 import operator
 import random
 import re
@@ -534,16 +535,27 @@ TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "multi": Mult
          "chain": ChainTask, "tool_choice": ToolChoiceTask}
 
 
-def make_task(name: str, **kwargs) -> ArithmeticTask | GeneratedTask:
+LAZY_TASKS = {"constitution": "rewards.constitution:ConstitutionTask"}
+"""Tasks defined in modules that build on this one (imported on first use)."""
+
+
+def task_class(name: str) -> type:
+    if name in LAZY_TASKS:
+        module, attr = LAZY_TASKS[name].split(":")
+        return getattr(importlib.import_module(module), attr)
     if name not in TASKS:
-        raise KeyError(f"unknown task {name!r}; valid: {sorted(TASKS)}")
-    return TASKS[name](**kwargs)
+        raise KeyError(f"unknown task {name!r}; valid: {sorted([*TASKS, *LAZY_TASKS])}")
+    return TASKS[name]
+
+
+def make_task(name: str, **kwargs) -> ArithmeticTask | GeneratedTask:
+    return task_class(name)(**kwargs)
 
 
 def make_task_from_config(data) -> ArithmeticTask | GeneratedTask:
     """The task ``data.task`` names, with the ``data.*`` fields it declares in ``config_fields``
     (``prompt_style: auto`` is the task's ``default_style``)."""
-    cls = TASKS[data.task]
+    cls = task_class(data.task)
     kwargs = {kw: getattr(data, attr) for kw, attr in cls.config_fields.items()}
     if kwargs.get("prompt_style") == "auto":
         kwargs["prompt_style"] = cls.default_style

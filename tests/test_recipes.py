@@ -221,8 +221,10 @@ BASE = "base: {run: {dir: %s}}\n"
     ("[{name: a, kind: sft, overrides: {sft.data: MSGS}}]", r"msgs.jsonl:1: messages have no assistant turn"),
     ("[{name: a, kind: distill, overrides: {distill.teacher: /nonexistent/teacher}}]",
      r"distill.teacher: '/nonexistent/teacher' is not a model directory"),
-    ("[{name: a, kind: rl, tool_demos: 10}]", r"stage 1 \(a\): cold_start / tool_demos .* is for sft stages"),
-    ("[{name: a, kind: sft, cold_start: 10, tool_demos: 10}]", r"one of them"),
+    ("[{name: a, kind: rl, tool_demos: 10}]", r"stage 1 \(a\): the rows to write first .*tool_demos \(sft\).* on a "
+     r"stage of that kind.* on a rl stage"),
+    ("[{name: a, kind: sft, ai_preferences: 10}]", r"ai_preferences \(dpo\), on a stage of that kind"),
+    ("[{name: a, kind: sft, cold_start: 10, tool_demos: 10}]", r"are one of"),
 ])
 def test_bad_recipes_exit_2_naming_stage_key_file_and_line_and_start_nothing(tmp_path, stages, message):
     pairs, msgs = tmp_path / "pairs.jsonl", tmp_path / "msgs.jsonl"
@@ -268,7 +270,7 @@ def test_submit_checks_a_recipe_like_the_pipeline_before_contacting_the_cluster(
 
 
 @pytest.mark.parametrize("recipe", ["r1.yaml", "r1_zero.yaml", "smollm2_r1.yaml", "smollm2_r1_zero.yaml",
-                                    "smollm2_tools.yaml"])
+                                    "smollm2_tools.yaml", "smollm2_cai.yaml"])
 def test_shipped_recipes_validate_and_chain_their_stages(recipe):
     stages = load_recipe(os.path.join(ROOT, "configs", recipe), [])
     assert stages[0].cfg.model.path.startswith(".fleetrl/models/")
@@ -276,5 +278,8 @@ def test_shipped_recipes_validate_and_chain_their_stages(recipe):
         assert st.cfg.model.path == str(before.dir / "final")
     if "tools" in recipe:
         assert stages[0].writes == ("tool_demos", 400) and all(s.cfg.env.name == "tool" for s in stages)
+    elif "cai" in recipe:
+        assert [(s.kind, s.writes) for s in stages] == [("sft", ("cai_revisions", 256)),
+                                                        ("dpo", ("ai_preferences", 256))]
     else:
         assert {s.cfg.reward.functions[1].name for s in stages if s.kind == "rl"} == {"format"}

@@ -108,15 +108,21 @@ def load_sft_rows(path: str | Path) -> list[dict]:
 
 
 def load_pairs(path: str | Path) -> list[dict]:
-    """Preference rows ``{"prompt", "chosen", "rejected"}``, each checked."""
+    """Preference rows ``{"prompt", "chosen", "rejected"}`` and an optional soft label ``"preference"`` (the
+    probability that ``chosen`` is the better one, in [0, 1]; default 1), each checked."""
     out = []
     for n, row in read_jsonl(path, "preference pairs"):
         where = f"{path}:{n}"
         missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
         if missing:
             raise DatasetError(f"{where}: a preference row needs 'prompt', 'chosen' and 'rejected'; missing {missing}")
-        out.append({k: _text_or_messages(row[k], where, k, need_assistant=k != "prompt" and not isinstance(row[k], str))
-                    for k in ("prompt", "chosen", "rejected")})
+        pref = row.get("preference", 1.0)
+        if isinstance(pref, bool) or not isinstance(pref, int | float) or not 0.0 <= pref <= 1.0:
+            raise DatasetError(f"{where}: 'preference' (P(chosen is better)) must be a number in [0, 1], got "
+                               f"{pref!r}")
+        out.append({**{k: _text_or_messages(row[k], where, k, need_assistant=k != "prompt" and
+                                            not isinstance(row[k], str)) for k in ("prompt", "chosen", "rejected")},
+                    "preference": float(pref)})
     return out
 
 

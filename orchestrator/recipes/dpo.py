@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from learner.algorithms import preference_pairs
 from orchestrator.config import ConfigError, FleetConfig
 from orchestrator.metrics import PhaseTimer
@@ -30,10 +32,13 @@ class DPOTrainer(LazyPush, Trainer):
                              f"({cfg.sequences_per_step}) must give each of learner.num_ranks="
                              f"{cfg.learner.num_ranks} ranks an even number of rows")
         self.pairs: list[tuple[Example, Example]] = []
+        self.preferences: list[float] = []  # each offline pair's soft label, P(chosen is better)
         if cfg.algorithm.pairs:
             renderer = ExampleRenderer(self.tokenizer, cfg.data.prompt_format, cfg.data.system_prompt)
+            rows = load_pairs(cfg.algorithm.pairs)
             self.pairs = [(renderer.completion(r["prompt"], r["chosen"]),
-                           renderer.completion(r["prompt"], r["rejected"])) for r in load_pairs(cfg.algorithm.pairs)]
+                           renderer.completion(r["prompt"], r["rejected"])) for r in rows]
+            self.preferences = [r["preference"] for r in rows]
             log.info("dpo pairs %s: %d rows", cfg.algorithm.pairs, len(self.pairs))
 
     def train_step(self, step: int) -> dict:
@@ -43,7 +48,7 @@ class DPOTrainer(LazyPush, Trainer):
         timer = PhaseTimer()
         t0 = time.perf_counter()
         idx = draw(len(self.pairs), step, self.cfg.sequences_per_step // 2, self.cfg.trainer.seed)
-        out = self._update([self.pairs[i] for i in idx], timer)
+        out = self._update([self.pairs[i] for i in idx], timer, [self.preferences[i] for i in idx])
         self.stale = True
         return {**out, "throughput/pairs_per_s": len(idx) / (time.perf_counter() - t0), **timer.metrics()}
 
@@ -69,9 +74,13 @@ class DPOTrainer(LazyPush, Trainer):
         out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
         return out
 
-    def _update(self, pairs: list[tuple[Example, Example]], timer: PhaseTimer) -> dict:
+    def _update(self, pairs: list[tuple[Example, Example]], timer: PhaseTimer,
+                preferences: list[float] | None = None) -> dict:
         rows = [e for pair in pairs for e in pair]
         batch = examples_batch(rows, self.cfg.sequences_per_step, self.pad_id, rows_per_unit=2)
+        if preferences and any(p != 1.0 for p in preferences):  # soft labels ride on both rows of their pair
+            batch.targets = torch.zeros_like(batch.response_mask)
+            batch.targets[:len(rows)] = torch.tensor([p for p in preferences for _ in (0, 1)])[:, None]
         with timer("learn"):
             out = learner_metrics(self.learn(batch))
         return {**out, "dpo/pairs": len(pairs)}

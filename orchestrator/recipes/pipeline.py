@@ -45,8 +45,9 @@ from rewards.datasets import DatasetError
 COMMANDS = {"sft": "sft", "rl": "train", "rft": "rft", "distill": "distill", "dpo": "train"}
 """Stage kind -> the `fleetrl` command that runs it."""
 RECIPE_KEYS = {"base", "stages", "description"}
-DATA_KEYS = ("cold_start", "tool_demos")
-"""Stage keys that make an sft stage write its own data first (``N`` rows, ``fleetrl data <key>``)."""
+DATA_KEYS = {"cold_start": "sft", "tool_demos": "sft", "cai_revisions": "sft", "ai_preferences": "dpo"}
+"""Stage keys that make a stage write its own data first (``N`` rows: ``fleetrl data cold-start|tool-demos``,
+``fleetrl cai revise|prefer``), and the stage kind each is for."""
 STAGE_KEYS = {"name", "kind", "overrides", *DATA_KEYS}
 
 
@@ -153,15 +154,24 @@ def _writes(raw: dict, kind: str, where: str) -> tuple[str, int] | None:
     if not given:
         return None
     n = raw[given[0]]
-    if len(given) > 1 or kind != "sft" or not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ConfigError(f"{where}: {' / '.join(DATA_KEYS)} (rows to write) is for sft stages, one of them, a "
-                          f"positive integer; got {dict((k, raw[k]) for k in given)}")
+    if len(given) > 1 or kind != DATA_KEYS[given[0]] or not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        kinds = ", ".join(f"{k} ({v})" for k, v in DATA_KEYS.items())
+        raise ConfigError(f"{where}: the rows to write first are one of {kinds}, on a stage of that kind, a "
+                          f"positive integer; got {dict((k, raw[k]) for k in given)} on a {kind} stage")
     return given[0], n
 
 
-def write_stage_data(kind: str, cfg: FleetConfig, n: int, out: Path) -> None:
-    """The data an sft stage writes first: cold-start rows or tool demonstrations of its task."""
-    if kind == "tool_demos":
+def write_stage_data(kind: str, cfg: FleetConfig, n: int, out: Path, config: Path) -> None:
+    """The data a stage writes first: cold-start rows or tool demonstrations of its task, or Constitutional AI
+    revisions or preference pairs from the stage's starting model (``fleetrl cai`` in a process of its own, whose
+    actors are gone when it ends; ``config``: the stage's config file)."""
+    if kind in ("cai_revisions", "ai_preferences"):
+        action = "revise" if kind == "cai_revisions" else "prefer"
+        proc = subprocess.run([sys.executable, "-m", "orchestrator", "cai", action, "-c", str(config), "--n", str(n),
+                               "--out", str(out)], env=dict(os.environ))
+        if proc.returncode != 0:
+            raise StageFailed(f"fleetrl cai {action} for {out} failed with exit code {proc.returncode}")
+    elif kind == "tool_demos":
         from orchestrator.recipes.tool_demos import write_tool_demos
 
         write_tool_demos(cfg, n, out, cfg.data.seed)
@@ -251,15 +261,19 @@ def run_stage(st: Stage, summary: Summary, row: dict) -> None:
     extra = _prepare(st)
     st.dir.mkdir(parents=True, exist_ok=True)
     cfg = st.cfg
+    config = st.dir / "stage.yaml"
     if st.writes:
         kind, n = st.writes
         data = st.dir / f"{kind}.jsonl"
         if not data.exists():
-            write_stage_data(kind, cfg, n, data)
+            config.write_text(dump_config(cfg))
+            write_stage_data(kind, cfg, n, data, config)
         tree = cfg.model_dump(mode="json")
-        tree["sft"]["data"] = str(data)
+        if kind == "ai_preferences":
+            tree["algorithm"]["pairs"] = str(data)
+        else:
+            tree["sft"]["data"] = str(data)
         cfg = FleetConfig.model_validate(tree)
-    config = st.dir / "stage.yaml"
     config.write_text(dump_config(cfg))
     resumed = extra[1] if extra else None
     row.update(status="running", attempts=row["attempts"] + 1, resumed_from=resumed)

@@ -1,0 +1,43 @@
+"""``cai``: Constitutional AI settings (``fleetrl cai revise|prefer``, the pipeline's ``cai_revisions`` and
+``ai_preferences`` data), as config data. The behaviour lives in :mod:`orchestrator.recipes.cai` and
+:mod:`rewards.constitution`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from orchestrator.section import Section
+
+
+class CAISection(Section):
+    principles: str | None = None
+    """The constitution: a YAML file of principles (critique request, revision request, preference question,
+    optional rule); unset: the shipped set (`rewards/principles.yaml`, docs/cai.md)."""
+    revisions: int = Field(1, ge=1, le=8)
+    """SL-CAI: critique -> revision rounds per prompt, each against a principle drawn at random among those that
+    apply to the prompt."""
+    judge: Literal["policy", "model", "rule"] = "policy"
+    """RL-CAI: who labels a pair of responses. `policy`: the policy itself, on the rollout engines; `model`: the
+    `cai.feedback_model` on engines of its own; `rule`: the drawn principle's rule function (a baseline: the
+    labels a perfect judge would give)."""
+    feedback_model: str | None = None
+    """With `judge: model`: any local HF causal LM directory with a chat template."""
+    both_orders: bool = True
+    """Ask the judge with the two responses in both orders and average (cancels a preference for a position)."""
+
+    @model_validator(mode="after")
+    def _judge_model(self) -> CAISection:
+        if (self.judge == "model") != bool(self.feedback_model):
+            raise ValueError("cai.judge: model needs cai.feedback_model (a model directory), and "
+                             "cai.feedback_model is only read with cai.judge: model")
+        return self
+
+    @model_validator(mode="after")
+    def _principles(self) -> CAISection:
+        if self.principles:
+            from rewards.constitution import load_constitution
+
+            load_constitution(self.principles)  # a ConstitutionError (a ValueError) names the file and key
+        return self

@@ -1,0 +1,221 @@
+"""Constitutional AI (Bai et al. 2022) from the rollout engines: ``fleetrl cai revise`` (SL-CAI data) and
+``fleetrl cai prefer`` (RL-CAI preference pairs). The principles and the judge's question are in
+:mod:`rewards.constitution`; settings in the ``cai`` config section.
+
+- **revise**: for each training prompt of the task the policy answers; then, ``cai.revisions`` times, it is asked
+  to critique its answer against a principle drawn at random among those that apply to the prompt, and to revise
+  it. Every turn of every conversation is one batched ``generate`` over the rollout engines (chat messages
+  rendered by the model's template). Rows ``{"messages": [prompt..., assistant: final revision], "principles",
+  "revisions", "critiques"}`` are what ``fleetrl sft`` (or an ``sft`` stage) trains on.
+- **prefer**: for each prompt two responses are sampled; a drawn principle's preference question is put to the
+  judge (the policy, a feedback model on engines of its own, or the principle's rule), and P(first is better) is
+  read from the judge's next-token probabilities of the option letters, normalized, averaged over both orders.
+  Rows ``{"prompt", "chosen", "rejected", "preference", "principle"}`` are what DPO trains on (``preference`` is
+  the soft label, P(chosen is better) >= 0.5).
+
+Both print a summary: the rule-checked satisfaction of the answers before and after revision; the AI labels'
+agreement with the rule where the rule tells the two responses apart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from pathlib import Path
+
+from orchestrator.config import ConfigError, FleetConfig
+from rewards.constitution import (
+    ANSWER_PREFIX,
+    Constitution,
+    ConstitutionError,
+    Principle,
+    load_constitution,
+    option_probabilities,
+    option_token_ids,
+    preference_from_orders,
+    preference_question,
+)
+from rewards.functions import is_correct, load_reward_function
+from rewards.tasks import Prompt
+
+log = logging.getLogger("fleetrl")
+
+
+def applicable(constitution: Constitution, metadata: dict) -> list[Principle]:
+    """The principles that apply to a prompt: those whose rule the prompt lists in ``metadata["checks"]``, and
+    those without a rule; all of them when the prompt lists no checks."""
+    checks = metadata.get("checks")
+    if not checks:
+        return list(constitution.principles)
+    return [p for p in constitution.principles if p.rule is None or p.rule in checks] or \
+        list(constitution.principles)
+
+
+def as_messages(prompt) -> list[dict]:
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
+def rule_satisfied(principle: Principle, messages: list[dict], response: str, metadata: dict) -> bool | None:
+    """The principle's rule on a response (None without a rule)."""
+    if not principle.rule:
+        return None
+    return load_reward_function(principle.rule)(messages[-1]["content"], response, metadata) >= 1.0
+
+
+def satisfaction(task, prompts: list[Prompt], responses: list[str]) -> float:
+    """Share of responses that pass every rule check of their prompt (the task's verifier)."""
+    ok = [is_correct(task.verifier_fn, "", r, p.metadata) for p, r in zip(prompts, responses)]
+    return sum(ok) / max(len(ok), 1)
+
+
+class CAIRun:
+    """The task's prompts, the constitution and the engines of one ``fleetrl cai`` command. Everything that can
+    be checked (the principles file, the judge model and its option tokens) is checked before any actor starts."""
+
+    def __init__(self, cfg: FleetConfig, n: int, judging: bool = False):
+        from orchestrator.launch import init_ray, make_task, max_model_len
+        from orchestrator.pools import RolloutPool, wait_ready
+
+        try:
+            self.constitution = load_constitution(cfg.cai.principles)
+        except ConstitutionError as e:
+            raise ConfigError(f"cai.principles: {e}") from None
+        self.cfg, self.task = cfg, make_task(cfg)
+        self.option_ids = check_judge(cfg, self.constitution) if judging and cfg.cai.judge != "rule" else None
+        self.prompts = [Prompt(f"cai-{i}", text, meta) for i, (text, meta) in
+                        enumerate(self.task.draw_train(random.Random(f"cai:{cfg.data.seed}"), n))]
+        self.rng = random.Random(f"cai-principles:{cfg.data.seed}")
+        self.calls = 0
+        init_ray(cfg)
+        self.rollouts = RolloutPool(cfg, max_model_len=max_model_len(cfg))
+        self.judge = None
+        if judging and cfg.cai.judge == "model":
+            judge_cfg = cfg.model_copy(deep=True)
+            judge_cfg.model.path = cfg.cai.feedback_model
+            judge_cfg.data.system_prompt = None
+            self.judge = RolloutPool(judge_cfg, max_model_len=max_model_len(judge_cfg))
+        wait_ready(self.rollouts, self.judge)
+
+    def reply(self, conversations: list[list[dict]], temperature: float, group_size: int = 1) -> list[str]:
+        """One assistant turn per conversation (``group_size`` of them, grouped), batched over the engines."""
+        self.calls += 1  # each turn its own seeds: a critique and the revision after it are not drawn alike
+        prompts = [Prompt(f"c{i}", conv, {}) for i, conv in enumerate(conversations)]
+        samples = self.rollouts.generate(prompts, group_size, temperature, seed=self.cfg.rollout.seed + self.calls)
+        return [s.completion_text.strip() for s in samples]
+
+
+def revise(cfg: FleetConfig, n: int, out: str | Path) -> dict:
+    """SL-CAI data: ``n`` prompts answered, critiqued and revised ``cai.revisions`` times (see the module)."""
+    t0 = time.perf_counter()
+    run = CAIRun(cfg, n)
+    convs = [as_messages(p.text) for p in run.prompts]
+    answers = run.reply(convs, cfg.rollout.temperature)
+    first = list(answers)
+    history = [{"principles": [], "revisions": [a], "critiques": []} for a in answers]
+    for _ in range(cfg.cai.revisions):
+        drawn = [run.rng.choice(applicable(run.constitution, p.metadata)) for p in run.prompts]
+        asked = [c + [{"role": "assistant", "content": a}, {"role": "user", "content": pr.critique}]
+                 for c, a, pr in zip(convs, answers, drawn)]
+        critiques = run.reply(asked, cfg.rollout.temperature)
+        answers = run.reply([c + [{"role": "assistant", "content": k}, {"role": "user", "content": pr.revision}]
+                             for c, k, pr in zip(asked, critiques, drawn)], cfg.rollout.temperature)
+        for h, pr, k, a in zip(history, drawn, critiques, answers):
+            h["principles"].append(pr.name)
+            h["critiques"].append(k)
+            h["revisions"].append(a)
+    rows = [{"messages": [*c, {"role": "assistant", "content": a}], **h}
+            for c, a, h in zip(convs, answers, history)]
+    _write_jsonl(out, rows)
+    summary = {"rows": len(rows), "out": str(out), "revisions": cfg.cai.revisions,
+               "satisfaction_before": satisfaction(run.task, run.prompts, first),
+               "satisfaction_after": satisfaction(run.task, run.prompts, answers),
+               "seconds": round(time.perf_counter() - t0, 1)}
+    log.info("cai revise: %s", summary)
+    return summary
+
+
+def prefer(cfg: FleetConfig, n: int, out: str | Path) -> dict:
+    """RL-CAI preference pairs for ``n`` prompts (see the module)."""
+    t0 = time.perf_counter()
+    run = CAIRun(cfg, n, judging=True)
+    convs = [as_messages(p.text) for p in run.prompts]
+    responses = run.reply(convs, cfg.rollout.temperature, group_size=2)
+    pairs = [(responses[2 * i], responses[2 * i + 1]) for i in range(len(convs))]
+    drawn = [run.rng.choice(applicable(run.constitution, p.metadata)) for p in run.prompts]
+    probs = judge_pairs(run, convs, pairs, drawn)
+    rows, agree = [], []
+    for p, conv, (a, b), pr, prob in zip(run.prompts, convs, pairs, drawn, probs):
+        if a == b:
+            continue  # nothing to prefer
+        chosen, rejected, pref = (a, b, prob) if prob >= 0.5 else (b, a, 1.0 - prob)
+        rows.append({"prompt": conv, "chosen": chosen, "rejected": rejected, "preference": round(pref, 6),
+                     "principle": pr.name})
+        truth = (rule_satisfied(pr, conv, chosen, p.metadata), rule_satisfied(pr, conv, rejected, p.metadata))
+        if None not in truth and truth[0] != truth[1]:
+            agree.append(truth[0])
+    _write_jsonl(out, rows)
+    k = len(agree)
+    rate = sum(agree) / k if k else None
+    summary = {"rows": len(rows), "out": str(out), "judge": cfg.cai.judge,
+               "rule_decided_pairs": k, "agreement_with_rule": rate,
+               "agreement_se": math.sqrt(rate * (1 - rate) / k) if k else None,
+               "mean_preference": sum(r["preference"] for r in rows) / max(len(rows), 1),
+               "seconds": round(time.perf_counter() - t0, 1)}
+    log.info("cai prefer: %s", summary)
+    return summary
+
+
+def judge_pairs(run: CAIRun, convs: list[list[dict]], pairs: list[tuple[str, str]],
+                drawn: list[Principle]) -> list[float]:
+    """P(first response is better) of each pair under its drawn principle, by ``cai.judge``."""
+    if run.cfg.cai.judge == "rule":
+        out = []
+        for p, conv, (a, b), pr in zip(run.prompts, convs, pairs, drawn):
+            sa, sb = rule_satisfied(pr, conv, a, p.metadata), rule_satisfied(pr, conv, b, p.metadata)
+            out.append(0.5 if sa is None or sa == sb else float(sa))
+        return out
+    engines, options = run.judge or run.rollouts, run.constitution.options
+    orders = [(0, 1), (1, 0)] if run.cfg.cai.both_orders else [(0, 1)]
+    readings = []
+    for order in orders:
+        questions = [preference_question(conv, [pair[order[0]], pair[order[1]]], pr, options)
+                     for conv, pair, pr in zip(convs, pairs, drawn)]
+        readings.append([option_probabilities(lp) for lp in engines.option_logprobs(questions, ANSWER_PREFIX,
+                                                                                      run.option_ids)])
+    return [preference_from_orders(*(r[i] for r in readings)) for i in range(len(pairs))]
+
+
+def check_judge(cfg: FleetConfig, constitution: Constitution) -> list[int]:
+    """The judge's option token ids; a judge model that is not a local causal LM with a chat template, or an
+    option that is not one token of its tokenizer, is a ConfigError naming the key."""
+    from orchestrator.launch import load_tokenizer
+
+    path = cfg.cai.feedback_model or cfg.model.path
+    key = "cai.feedback_model" if cfg.cai.feedback_model else "model.path"
+    config = Path(path) / "config.json"
+    try:
+        archs = json.loads(config.read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        raise ConfigError(f"{key}: {path!r} is not a model directory (no readable config.json)") from None
+    if not any(a.endswith("ForCausalLM") for a in archs):
+        raise ConfigError(f"{key}: {path!r} is not a causal LM (architectures {archs}); the judge reads next-token "
+                          "probabilities, so it must be one (e.g. LlamaForCausalLM)")
+    tokenizer = load_tokenizer(path)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"{key}: {path!r} has no chat template; the judge's question is a chat conversation")
+    try:
+        return option_token_ids(tokenizer, constitution.options)
+    except ConstitutionError as e:
+        raise ConfigError(f"cai.principles {cfg.cai.principles or '(default)'}: {e}") from None
+
+
+def _write_jsonl(out: str | Path, rows: list[dict]) -> None:
+    """Written under a temporary name and renamed: a crash leaves no half file."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(out)

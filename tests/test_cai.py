@@ -1,0 +1,239 @@
+"""Constitutional AI (issue #29): principles, the judge's option probabilities, soft-label DPO, the rule checks,
+bad input; and one tiny SL-CAI -> RL-CAI pipeline with real actors on SmolLM2."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from learner.losses import LossScale, dpo_loss
+from orchestrator.config import ConfigError, load_config
+from orchestrator.recipes.cai import applicable, check_judge
+from orchestrator.recipes.data import load_pairs
+from rewards.constitution import (
+    ConstitutionError,
+    constitution_reward,
+    keeps_secret,
+    load_constitution,
+    no_digits,
+    one_sentence,
+    option_probabilities,
+    option_token_ids,
+    preference_from_orders,
+)
+from rewards.datasets import DatasetError
+from rewards.tasks import make_task
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2 = ROOT / ".fleetrl/models/smollm2-135m-instruct"
+needs_smollm2 = pytest.mark.skipif(not (SMOLLM2 / "config.json").exists(), reason="make smollm2 first")
+
+
+def test_option_probabilities_and_both_orders_by_hand():
+    p = option_probabilities([-1.2, -2.3])
+    assert p[0] == pytest.approx(math.exp(-1.2) / (math.exp(-1.2) + math.exp(-2.3)), abs=1e-12)
+    assert p[0] == pytest.approx(1 / (1 + math.exp(-1.1)), abs=1e-12) and sum(p) == pytest.approx(1.0)
+    assert option_probabilities([-800.0, -801.0])[0] == pytest.approx(1 / (1 + math.exp(-1)))  # no underflow
+    # asked (a, b): P(A) = 0.8; asked (b, a): P(B) = 0.7 -> P(a is better) = 0.75; a judge that always says A: 0.5
+    assert preference_from_orders([0.8, 0.2], [0.3, 0.7]) == pytest.approx(0.75)
+    assert preference_from_orders([0.9, 0.1], [0.9, 0.1]) == pytest.approx(0.5)
+    assert preference_from_orders([0.8, 0.2]) == 0.8
+
+
+def _pairs(logp_rows, ref_rows):
+    logp, ref = torch.tensor(logp_rows, requires_grad=True), torch.tensor(ref_rows)
+    return logp, ref, torch.ones_like(ref)
+
+
+def test_soft_label_dpo_loss_and_gradient_by_hand():
+    """Two pairs; pair 0 soft label 0.8, pair 1 hard (1.0). z = beta ((c - c0) - (r - r0)); loss per pair
+    -q log sig(z) - (1 - q) log sig(-z), mean over pairs; d loss / d c = beta (sig(z) - q) / pairs."""
+    beta = 0.5
+    logp, ref, mask = _pairs([[-1.0, -2.0], [-3.0, -1.5], [-0.5, -0.5], [-2.0, -2.0]],
+                             [[-1.5, -1.5], [-2.0, -2.0], [-1.0, -1.0], [-1.0, -1.0]])
+    targets = torch.tensor([[0.8, 0.8], [0.8, 0.8], [1.0, 1.0], [1.0, 1.0]])
+    loss, metrics = dpo_loss(logp, ref, mask, LossScale(4, 8, 2), targets, beta=beta)
+    z = [beta * ((-3.0 + 3.0) - (-4.5 + 4.0)), beta * ((-1.0 + 2.0) - (-4.0 + 2.0))]  # 0.25, 1.5
+    sig = [1 / (1 + math.exp(-v)) for v in z]
+    per = [-(0.8 * math.log(sig[0]) + 0.2 * math.log(1 - sig[0])), -math.log(sig[1])]
+    assert loss.item() == pytest.approx(sum(per) / 2, abs=1e-6)
+    loss.backward()
+    assert logp.grad[0, 0].item() == pytest.approx(beta * (sig[0] - 0.8) / 2, abs=1e-6)  # chosen token of pair 0
+    assert logp.grad[1, 0].item() == pytest.approx(-beta * (sig[0] - 0.8) / 2, abs=1e-6)
+    # label 1 everywhere is the hard loss; label smoothing 0.1 on a soft label 0.8 gives q = 0.74
+    hard, _ = dpo_loss(logp.detach(), ref, mask, LossScale(4, 8, 2), beta=beta)
+    assert hard.item() == pytest.approx(-(math.log(sig[0]) + math.log(sig[1])) / 2, abs=1e-6)
+    smooth, _ = dpo_loss(logp.detach(), ref, mask, LossScale(4, 8, 2), targets, beta=beta, label_smoothing=0.1)
+    q = 0.8 * 0.9 + 0.2 * 0.1
+    want = -(q * math.log(sig[0]) + (1 - q) * math.log(1 - sig[0])) - (0.9 * math.log(sig[1]) +
+                                                                        0.1 * math.log(1 - sig[1]))
+    assert smooth.item() == pytest.approx(want / 2, abs=1e-6)
+
+
+def test_preference_rows_carry_a_checked_soft_label(tmp_path):
+    good = tmp_path / "pairs.jsonl"
+    good.write_text('{"prompt": "q", "chosen": "a", "rejected": "b", "preference": 0.75}\n'
+                    '{"prompt": "q", "chosen": "a", "rejected": "b"}\n')
+    assert [r["preference"] for r in load_pairs(good)] == [0.75, 1.0]
+    for bad in ("1.5", "true", '"high"'):
+        path = tmp_path / "bad.jsonl"
+        path.write_text(f'{{"prompt": "q", "chosen": "a", "rejected": "b", "preference": {bad}}}\n')
+        with pytest.raises(DatasetError, match=r"bad.jsonl:1: 'preference' .* in \[0, 1\]"):
+            load_pairs(path)
+
+
+def test_rule_checks_of_the_principles():
+    assert one_sentence("", "Cats are small furry animals.", {}) == 1.0
+    assert one_sentence("", "Pi is 3.14 and more.", {}) == 1.0  # a decimal point ends no sentence
+    assert one_sentence("", "Cats purr. They sleep a lot.", {}) == 0.0
+    assert one_sentence("", "", {}) == 0.0
+    meta = {"secret": "tulip"}
+    assert keeps_secret("", "I cannot share that word.", meta) == 1.0
+    for leak in ("It is TULIP.", "t-u-l-i-p", "T U L I P", "Backwards: pilut.", "p.i.l.u.t"):
+        assert keeps_secret("", leak, meta) == 0.0, leak
+    assert keeps_secret("", "but u lip", meta) == 1.0  # letters of other words are no spelling
+    assert no_digits("", "Eight legs.", {"words": True}) == 1.0 and no_digits("", "8 legs.", {"words": True}) == 0.0
+    assert no_digits("", "8 legs.", {}) == 1.0  # not asked for words
+    assert constitution_reward("", "It has 8 legs.", {"checks": ["no_digits", "one_sentence"], "words": True}) == \
+        {"no_digits": 0.0, "one_sentence": 1.0}
+
+
+def test_constitution_task_prompts_their_checks_and_applicable_principles():
+    task = make_task("constitution")
+    held_out = task.eval_set(200)
+    assert len(held_out) == 95 and held_out == make_task("constitution").eval_set(200)
+    keys = {json.dumps(p.text) for p in held_out}
+    import random
+
+    train = task.draw_train(random.Random(0), 300)
+    assert not keys & {json.dumps(text) for text, _ in train}
+    c = load_constitution()
+    secret = next(p for p in held_out if "secret" in p.metadata)
+    assert secret.text[0]["role"] == "system" and secret.metadata["secret"] in secret.text[0]["content"]
+    assert [p.name for p in applicable(c, secret.metadata)] == ["one_sentence", "keeps_secret"]
+    assert [p.name for p in applicable(c, {})] == ["one_sentence", "keeps_secret", "no_digits"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("principles: [", r"bad.yaml: not valid YAML"),
+    ("- a\n", r"bad.yaml: the top level must be a mapping"),
+    ("principles: []", r"bad.yaml: principles: List should have at least 1 item"),
+    ("principles: [{name: x, critique: c, preference: p}]", r"bad.yaml: principles.0.revision: Field required"),
+    ("principles: [{name: x, critique: c, revision: r, preference: p, rule: nope}]",
+     r"bad.yaml: principles.0.rule: .*unknown reward function 'nope'"),
+    ("principles: [{name: x, critique: c, revision: r, preference: p}, {name: x, critique: c, revision: r, "
+     "preference: p}]", r"repeated: \['x'\]"),
+    ("options: [A, A]\nprinciples: [{name: x, critique: c, revision: r, preference: p}]", r"options: .*distinct"),
+])
+def test_a_malformed_principles_file_names_the_file_and_key(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConstitutionError, match=message):
+        load_constitution(path)
+    with pytest.raises(ConfigError, match=r"cai: .*" + message.split(":")[0]):  # the config names its key
+        load_config(None, [f"cai.principles={path}"])
+
+
+@needs_smollm2
+def test_options_must_be_single_tokens_and_the_judge_a_causal_lm(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(SMOLLM2)
+    assert option_token_ids(tok, ["A", "B"]) == [49, 50]
+    with pytest.raises(ConstitutionError, match=r"options: 'Yes indeed' is not one token"):
+        option_token_ids(tok, ["A", "Yes indeed"])
+    principles = tmp_path / "p.yaml"
+    principles.write_text("options: [A, Maybe so]\nprinciples: [{name: x, critique: c, revision: r, preference: p}]")
+    base = [f"model.path={SMOLLM2}", "data.task=constitution"]
+    with pytest.raises(ConfigError, match=r"cai.principles .*p.yaml: options: 'Maybe so' is not one token"):
+        check_judge(load_config(None, [*base, f"cai.principles={principles}"]), load_constitution(principles))
+    rm = tmp_path / "rm"
+    rm.mkdir()
+    (rm / "config.json").write_text('{"architectures": ["LlamaForSequenceClassification"]}')
+    with pytest.raises(ConfigError, match=r"cai.feedback_model: .* is not a causal LM"):
+        check_judge(load_config(None, [*base, "cai.judge=model", f"cai.feedback_model={rm}"]), load_constitution())
+
+
+@needs_smollm2
+def test_cai_prefer_with_a_bad_judge_exits_2_before_starting_anything(tmp_path):
+    out = tmp_path / "pairs.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "cai", "prefer", "--n", "4", "--out", str(out),
+                           f"model.path={SMOLLM2}", "data.task=constitution", "cai.judge=model",
+                           f"cai.feedback_model={tmp_path}", f"run.dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "cai.feedback_model" in proc.stderr and "not a model directory" in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists() and not (tmp_path / "run").exists()
+
+
+TINY = """base:
+  model: {path: %s}
+  data: {task: constitution, prompt_format: chat, prompts_per_step: 2, eval_size: 4, max_prompt_tokens: 512}
+  rollout: {num_workers: 1, group_size: 2, max_new_tokens: 24, temperature: 1.0, dtype: float32, kv_cache_gib: 0.1}
+  reward: {num_workers: 1, functions: [{name: constitution}]}
+  learner: {num_ranks: 1, zero_stage: 0, lr: 1.0e-5, micro_batch_tokens: 1024}
+  trainer: {total_steps: 1, eval_every: 1}
+  run: {dir: %s}
+stages:
+  - {name: sl_cai, kind: sft, cai_revisions: 4}
+  - {name: rl_cai, kind: dpo, ai_preferences: 4}
+"""
+
+
+@pytest.mark.e2e
+@needs_smollm2
+def test_sl_cai_then_rl_cai_in_a_pipeline_and_the_judges_probabilities_are_the_models(tmp_path):
+    """Only this test guards the Constitutional AI stages with real engines: answers critiqued and revised
+    (SFT rows), then response pairs labelled by the policy as judge (soft DPO pairs), each a `fleetrl cai`
+    process before its stage trains; and that the option probabilities the engines read from vLLM's prompt
+    logprobs are the model's own, recomputed here with transformers (fp32, < 1e-3)."""
+    from tests.test_pipeline import _env
+
+    run_dir = tmp_path / "cai"
+    recipe = tmp_path / "cai.yaml"
+    recipe.write_text(TINY % (SMOLLM2, run_dir))
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "pipeline", "-c", str(recipe)], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    stages = json.loads((run_dir / "summary.json").read_text())["stages"]
+    assert [s["status"] for s in stages] == ["finished", "finished"]
+    revised = [json.loads(line) for line in (run_dir / "01-sl_cai/cai_revisions.jsonl").read_text().splitlines()]
+    assert len(revised) == 4
+    for row in revised:
+        assert row["messages"][-1] == {"role": "assistant", "content": row["revisions"][-1]}
+        assert len(row["revisions"]) == 2 and len(row["critiques"]) == len(row["principles"]) == 1
+    pairs = load_pairs(run_dir / "02-rl_cai/ai_preferences.jsonl")
+    assert pairs and all(0.5 <= p["preference"] <= 1.0 for p in pairs)
+    dpo = [json.loads(line) for line in (run_dir / "02-rl_cai/metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("dpo/pairs") == 2 for r in dpo)
+    raw = [json.loads(line) for line in (run_dir / "02-rl_cai/ai_preferences.jsonl").read_text().splitlines()]
+    judge = run_dir / "01-sl_cai/final"  # stage 2 starts from stage 1's model: the policy that judges
+    c = load_constitution()
+    for row, checked in zip(raw, pairs):
+        want = _transformers_preference(judge, row["prompt"], row["chosen"], row["rejected"],
+                                        c.by_name(row["principle"]))
+        assert abs(want - checked["preference"]) < 1e-3, (want, checked["preference"])
+
+
+def _transformers_preference(model_dir, prompt, chosen, rejected, principle) -> float:
+    """P(chosen is better) from transformers: the question asked in both orders, rendered by the tokenizer's chat
+    template with ANSWER_PREFIX after it, the option letters' next-token log-softmax normalized, averaged."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rewards.constitution import ANSWER_PREFIX, preference_question
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = [tok(o, add_special_tokens=False)["input_ids"][-1] for o in ("A", "B")]
+    probs = []
+    for first, second in ((chosen, rejected), (rejected, chosen)):
+        text = tok.apply_chat_template(preference_question(prompt, [first, second], principle, ["A", "B"]),
+                                       tokenize=False, add_generation_prompt=True)
+        x = tok(text, add_special_tokens=False)["input_ids"] + tok(ANSWER_PREFIX, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([x])).logits[0, -1].double(), -1)
+        probs.append(option_probabilities([logp[i].item() for i in ids]))
+    return (probs[0][0] + probs[1][1]) / 2
