@@ -231,6 +231,13 @@ class RolloutPool(ActorPool):
         return self.fan_out(lambda w, _: w.load_weights.remote(bucket_refs, version), [True] * len(self.workers))
 
 
+class JudgePool(RolloutPool):
+    """The `judge-i` engines of a feedback model (``cai.judge: model``): rollout engines of another model, never
+    pushed to (Constitutional AI's preference labels, :mod:`orchestrator.recipes.cai`)."""
+
+    role = "judge"
+
+
 class EnvPool(ActorPool):
     """The `env-i` actors (``env.num_workers`` > 0): they host the episodes' environments
     (:class:`workers.envs.remote.EnvWorker`); the rollout actors call them directly. Resized between steps."""

@@ -189,7 +189,8 @@ def test_sl_cai_then_rl_cai_in_a_pipeline_and_the_judges_probabilities_are_the_m
     """Only this test guards the Constitutional AI stages with real engines: answers critiqued and revised
     (SFT rows), then response pairs labelled by the policy as judge (soft DPO pairs), each a `fleetrl cai`
     process before its stage trains; and that the option probabilities the engines read from vLLM's prompt
-    logprobs are the model's own, recomputed here with transformers (fp32, < 1e-3)."""
+    logprobs are the model's own, recomputed here with transformers (fp32, < 1e-4; the labels are 0.50-0.53 here, so a misread
+    position fails)."""
     from tests.test_pipeline import _env
 
     run_dir = tmp_path / "cai"
@@ -215,7 +216,7 @@ def test_sl_cai_then_rl_cai_in_a_pipeline_and_the_judges_probabilities_are_the_m
     for row, checked in zip(raw, pairs):
         want = _transformers_preference(judge, row["prompt"], row["chosen"], row["rejected"],
                                         c.by_name(row["principle"]))
-        assert abs(want - checked["preference"]) < 1e-3, (want, checked["preference"])
+        assert abs(want - checked["preference"]) < 1e-4, (want, checked["preference"])  # measured: <= 1e-5
 
 
 def _transformers_preference(model_dir, prompt, chosen, rejected, principle) -> float:

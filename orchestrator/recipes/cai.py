@@ -77,7 +77,7 @@ class CAIRun:
 
     def __init__(self, cfg: FleetConfig, n: int, judging: bool = False):
         from orchestrator.launch import init_ray, make_task, max_model_len
-        from orchestrator.pools import RolloutPool, wait_ready
+        from orchestrator.pools import JudgePool, RolloutPool, wait_ready
 
         try:
             self.constitution = load_constitution(cfg.cai.principles)
@@ -96,7 +96,8 @@ class CAIRun:
             judge_cfg = cfg.model_copy(deep=True)
             judge_cfg.model.path = cfg.cai.feedback_model
             judge_cfg.data.system_prompt = None
-            self.judge = RolloutPool(judge_cfg, max_model_len=max_model_len(judge_cfg))
+            judge_cfg.rollout.num_workers = 1
+            self.judge = JudgePool(judge_cfg, max_model_len=max_model_len(judge_cfg))
         wait_ready(self.rollouts, self.judge)
 
     def reply(self, conversations: list[list[dict]], temperature: float, group_size: int = 1) -> list[str]:
@@ -127,9 +128,9 @@ def revise(cfg: FleetConfig, n: int, out: str | Path) -> dict:
             h["critiques"].append(k)
             h["revisions"].append(a)
     rows = [{"messages": [*c, {"role": "assistant", "content": a}], **h}
-            for c, a, h in zip(convs, answers, history)]
+            for c, a, h in zip(convs, answers, history) if a]  # an empty revision teaches nothing
     _write_jsonl(out, rows)
-    summary = {"rows": len(rows), "out": str(out), "revisions": cfg.cai.revisions,
+    summary = {"rows": len(rows), "empty": len(answers) - len(rows), "out": str(out), "revisions": cfg.cai.revisions,
                "satisfaction_before": satisfaction(run.task, run.prompts, first),
                "satisfaction_after": satisfaction(run.task, run.prompts, answers),
                "seconds": round(time.perf_counter() - t0, 1)}
