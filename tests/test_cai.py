@@ -189,8 +189,8 @@ def test_sl_cai_then_rl_cai_in_a_pipeline_and_the_judges_probabilities_are_the_m
     """Only this test guards the Constitutional AI stages with real engines: answers critiqued and revised
     (SFT rows), then response pairs labelled by the policy as judge (soft DPO pairs), each a `fleetrl cai`
     process before its stage trains; and that the option probabilities the engines read from vLLM's prompt
-    logprobs are the model's own, recomputed here with transformers (fp32, < 1e-4; the labels are 0.50-0.53 here, so a misread
-    position fails)."""
+    logprobs are the model's own, recomputed here with transformers (fp32, < 1e-4; the labels are 0.50-0.53
+    here, so a misread position fails)."""
     from tests.test_pipeline import _env
 
     run_dir = tmp_path / "cai"
