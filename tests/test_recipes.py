@@ -280,6 +280,6 @@ def test_shipped_recipes_validate_and_chain_their_stages(recipe):
         assert stages[0].writes == ("tool_demos", 400) and all(s.cfg.env.name == "tool" for s in stages)
     elif "cai" in recipe:
         assert [(s.kind, s.writes) for s in stages] == [("sft", ("cai_revisions", 256)),
-                                                        ("dpo", ("ai_preferences", 256))]
+                                                        ("dpo", ("ai_preferences", 128))]
     else:
         assert {s.cfg.reward.functions[1].name for s in stages if s.kind == "rl"} == {"format"}
