@@ -105,8 +105,12 @@ def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "re
     t0 = time.perf_counter()
     rollouts, rewards = RolloutPool(cfg, max_model_len=max_model_len(cfg)), RewardPool(cfg)
     wait_ready(rollouts, rewards)
-    greedy = rollouts.generate(prompts, 1, temperature=0.0, seed=None)
     n_max = max(ns)
+    what = "tool episodes" if cfg.env.name else "completions"
+    log.info("eval: %d greedy %s, then %d x %d sampled (%d engines)", len(prompts), what, len(prompts), n_max,
+             len(rollouts.workers))
+    greedy = rollouts.generate(prompts, 1, temperature=0.0, seed=None)
+    log.info("eval: greedy done in %.0fs; sampling", time.perf_counter() - t0)
     scored, errors = rewards.score(rollouts.generate(prompts, n_max, cfg.rollout.temperature, seed=cfg.rollout.seed))
     groups = []
     for g in range(len(prompts)):
