@@ -165,7 +165,7 @@ def test_make_task_from_config_passes_the_task_fields():
 
 
 def test_bad_task_settings_are_clear_errors():
-    valid = r"\['arithmetic', 'chain', 'countdown', 'multi', 'multiply', 'tool_choice'\]"
+    valid = r"\['arithmetic', 'chain', 'constitution', 'countdown', 'multi', 'multiply', 'tool_choice'\]"
     with pytest.raises(KeyError, match=rf"unknown task 'gsm8k'; valid: {valid}"):
         make_task("gsm8k")
     with pytest.raises(ValueError, match="prompt_style must be one of"):
