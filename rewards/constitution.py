@@ -28,7 +28,6 @@ import random
 import re
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rewards.functions import register_reward
@@ -88,15 +87,10 @@ class Constitution(BaseModel):
 def load_constitution(path: str | Path | None = None) -> Constitution:
     """The principles file at ``path`` (default: the shipped set); any problem is a :class:`ConstitutionError`
     naming the file and the key."""
+    from rewards.datasets import read_yaml_mapping
+
     path = Path(path) if path else DEFAULT_PRINCIPLES
-    try:
-        tree = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise ConstitutionError(f"principles file {path}: cannot read it ({e.strerror})") from e
-    except yaml.YAMLError as e:
-        raise ConstitutionError(f"principles file {path}: not valid YAML: {e}") from e
-    if not isinstance(tree, dict):
-        raise ConstitutionError(f"principles file {path}: the top level must be a mapping with 'principles'")
+    tree = read_yaml_mapping(path, "principles file", ConstitutionError)
     try:
         constitution = Constitution.model_validate(tree)
     except ValidationError as e:

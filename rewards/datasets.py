@@ -23,6 +23,22 @@ from rewards.functions import load_reward_function
 from rewards.tasks import Prompt, Task
 
 
+def read_yaml_mapping(path: str | Path, what: str, error: type[Exception] = ValueError) -> dict:
+    """A YAML file whose top level is a mapping (an empty file is ``{}``); an unreadable file, invalid YAML or
+    another top level raise ``error`` naming ``what`` and the file."""
+    import yaml
+
+    try:
+        tree = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as e:
+        raise error(f"cannot read {what} {path}: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise error(f"{what} {path}: not valid YAML: {e}") from e
+    if not isinstance(tree, dict):
+        raise error(f"{what} {path}: top level must be a mapping, got {type(tree).__name__}")
+    return tree
+
+
 class DatasetError(ValueError):
     """A dataset that cannot be used; the message names the file and the line or row."""
 

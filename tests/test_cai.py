@@ -120,7 +120,7 @@ def test_constitution_task_prompts_their_checks_and_applicable_principles():
 
 @pytest.mark.parametrize("text, message", [
     ("principles: [", r"bad.yaml: not valid YAML"),
-    ("- a\n", r"bad.yaml: the top level must be a mapping"),
+    ("- a\n", r"bad.yaml: top level must be a mapping, got list"),
     ("principles: []", r"bad.yaml: principles: List should have at least 1 item"),
     ("principles: [{name: x, critique: c, preference: p}]", r"bad.yaml: principles.0.revision: Field required"),
     ("principles: [{name: x, critique: c, revision: r, preference: p, rule: nope}]",

@@ -40,7 +40,7 @@ from pydantic import ValidationError
 from orchestrator import checkpoint as ckpt
 from orchestrator.config import (ConfigError, FleetConfig, _format_validation_error, apply_override, dump_config,
                                  load_config)
-from rewards.datasets import DatasetError
+from rewards.datasets import DatasetError, read_yaml_mapping
 
 COMMANDS = {"sft": "sft", "rl": "train", "rft": "rft", "distill": "distill", "dpo": "train"}
 """Stage kind -> the `fleetrl` command that runs it."""
@@ -76,15 +76,7 @@ def _overrides(value, where: str) -> list[str]:
 
 
 def _read_yaml(path: Path, what: str) -> dict:
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except OSError as e:
-        raise ConfigError(f"cannot read {what} {path}: {e.strerror}") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: top level must be a mapping, got {type(tree).__name__}")
-    return tree
+    return read_yaml_mapping(path, what, ConfigError)
 
 
 def is_recipe(path: str) -> bool:
