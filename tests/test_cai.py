@@ -178,7 +178,7 @@ TINY = """base:
   trainer: {total_steps: 1, eval_every: 1}
   run: {dir: %s}
 stages:
-  - {name: sl_cai, kind: sft, cai_revisions: 4}
+  - {name: sl_cai, kind: sft, cai_revisions: 64}
   - {name: rl_cai, kind: dpo, ai_preferences: 4}
 """
 
@@ -190,7 +190,8 @@ def test_sl_cai_then_rl_cai_in_a_pipeline_and_the_judges_probabilities_are_the_m
     (SFT rows), then response pairs labelled by the policy as judge (soft DPO pairs), each a `fleetrl cai`
     process before its stage trains; and that the option probabilities the engines read from vLLM's prompt
     logprobs are the model's own, recomputed here with transformers (fp32, < 1e-4; the labels are 0.50-0.53
-    here, so a misread position fails)."""
+    here, so a misread position fails). The 64 critique turns are one seeded call whose new prompt tokens pass the
+    engine's 4096-token step budget: vLLM's CPU runner crashed on a seeded prefill split across steps."""
     from tests.test_pipeline import _env
 
     run_dir = tmp_path / "cai"
@@ -202,7 +203,7 @@ def test_sl_cai_then_rl_cai_in_a_pipeline_and_the_judges_probabilities_are_the_m
     stages = json.loads((run_dir / "summary.json").read_text())["stages"]
     assert [s["status"] for s in stages] == ["finished", "finished"]
     revised = [json.loads(line) for line in (run_dir / "01-sl_cai/cai_revisions.jsonl").read_text().splitlines()]
-    assert len(revised) == 4
+    assert 56 <= len(revised) <= 64  # a conversation whose revision came out empty is no SFT row
     for row in revised:
         assert row["messages"][-1] == {"role": "assistant", "content": row["revisions"][-1]}
         assert len(row["revisions"]) == 2 and len(row["critiques"]) == len(row["principles"]) == 1

@@ -55,6 +55,10 @@ class RolloutWorker(LoggedActor):
             kwargs.update(engine_kwargs(lora))
         if _on_cpu():
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+            # whole prompts only: vLLM's CPU runner crashes ("CPU Generator does not use offset") when a seeded
+            # request's prefill is split across steps, which happens once a call's new prompt tokens pass the
+            # 4096-token step budget (long multi-turn contexts, Constitutional AI's critique turns)
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.llm = LLM(**kwargs)
