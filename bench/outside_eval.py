@@ -13,7 +13,8 @@ does), and a reply is scored by two plain rules, reported side by side:
     python -m bench.outside_eval -c configs/smollm2_arith.yaml --rescore FILE   # score the replies of an --out file
     python -m bench.outside_eval -c configs/smollm2_tools.yaml --model runs/smollm2_tools/2_tool_rl/final
 
-With ``env.tools`` in the config (a recipe's last stage is read) each problem is a tool episode played here:
+With ``data.task: constitution`` a reply is scored by the principles' rule checks instead (``rules``: all of
+them). With ``env.tools`` in the config (a recipe's last stage is read) each problem is a tool episode played here:
 greedy turns, a ``<tool_call>{json}</tool_call>`` in a reply parsed with this file's own regex and ``json``, the
 tool run (fleetrl's calculator / sandboxed python: the environment, not the judge), its output appended as a
 ``tool`` message through the tokenizer's own chat template, until a reply without a call (scored) or
@@ -61,8 +62,9 @@ def generate(model_dir: str, prompts: list, system_prompt: str | None, max_new_t
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     texts = []
     for p in prompts:
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
-            [{"role": "user", "content": p.text}]
+        messages = [{"role": "user", "content": p.text}] if isinstance(p.text, str) else list(p.text)
+        if system_prompt and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": system_prompt})
         texts.append(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     replies = []
     for i in range(0, len(texts), batch_size):
@@ -71,6 +73,17 @@ def generate(model_dir: str, prompts: list, system_prompt: str | None, max_new_t
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
         replies += tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     return replies
+
+
+def verdicts(task: str, reply: str, metadata: dict) -> dict[str, bool]:
+    """A reply's verdicts: ``last_int`` and ``single`` for a numeric answer; for the ``constitution`` task (no
+    answer: principles) ``rules``, every rule check of the prompt passed (the rules are the principles' definition,
+    :mod:`rewards.constitution`; what this file adds there is generation outside fleetrl's engines)."""
+    if task == "constitution":
+        from rewards.constitution import constitution_reward
+
+        return {"rules": all(v >= 1.0 for v in constitution_reward("", reply, metadata).values())}
+    return {"last_int": last_int(reply, metadata["answer"]), "single": single(reply, metadata["answer"])}
 
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
@@ -163,8 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
         replies = generate(args.model or cfg.model.path, prompts, cfg.data.system_prompt, cfg.rollout.max_new_tokens)
         calls = [[] for _ in replies]
     rows = [{"prompt": p.text, "reply": r, "answer": p.metadata["answer"], "calls": c,
-             "last_int": last_int(r, p.metadata["answer"]), "single": single(r, p.metadata["answer"])}
-            for p, r, c in zip(prompts, replies, calls)]
+             **verdicts(cfg.data.task, r, p.metadata)} for p, r, c in zip(prompts, replies, calls)]
     n = len(rows)
     report = {"model": args.model or cfg.model.path, "n": n, "seconds": round(time.perf_counter() - t0, 1)}
     if cfg.env.name:
@@ -172,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["tool_call_rate"] = round(len(called) / n, 4)
         if called and all(tool for _, tool in called):
             report["right_tool_rate"] = round(sum(c[0] == tool for c, tool in called) / len(called), 4)
-    for rule in ("last_int", "single"):
+    for rule in verdicts(cfg.data.task, "", prompts[0].metadata):
         acc = sum(r[rule] for r in rows) / n
         report[rule] = {"accuracy": round(acc, 4), "se": round(math.sqrt(acc * (1 - acc) / n), 4)}
     if args.out:
