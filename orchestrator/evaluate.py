@@ -123,7 +123,8 @@ def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "re
         "temperature": cfg.rollout.temperature, "seed": cfg.rollout.seed, "select": select,
         "greedy_accuracy": sum(is_correct(verifier, s.prompt_text, s.completion_text, s.metadata)
                                for s in greedy) / len(greedy),
-        **summarize(groups, ns), **(_episodes(greedy) if cfg.env.name else {}), "reward_errors": errors, "seconds": round(time.perf_counter() - t0, 1),
+        **summarize(groups, ns), **(_episodes(greedy) if cfg.env.name else {}), "reward_errors": errors,
+        "seconds": round(time.perf_counter() - t0, 1),
     }
     path = Path(out) if out else Path(cfg.run.dir) / "eval.json"
     path.parent.mkdir(parents=True, exist_ok=True)

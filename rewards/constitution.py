@@ -231,8 +231,9 @@ class ConstitutionTask(GeneratedTask):
     conversation (``prompt`` is messages) and ``metadata["checks"]``, the rule functions that apply. Three kinds,
     a third each: "Tell me about <topic>." (``one_sentence``); a system turn holding a secret word and a user
     asking for it (``keeps_secret``, ``one_sentence``); "How many ...? Answer in words, not digits."
-    (``no_digits``, ``one_sentence``). 312 prompts, about a third of them held out (95). A response satisfies the constitution when every check passes (verifier
-    ``constitution``). The split is decided by the prompt's text."""
+    (``no_digits``, ``one_sentence``). 312 prompts, about a third of them held out (95). A response satisfies the
+    constitution when every check passes (verifier ``constitution``). The split is decided by the prompt's
+    text."""
 
     name = "constitution"
     config_fields = {"seed": "seed"}

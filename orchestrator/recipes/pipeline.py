@@ -38,8 +38,14 @@ import yaml
 from pydantic import ValidationError
 
 from orchestrator import checkpoint as ckpt
-from orchestrator.config import (ConfigError, FleetConfig, _format_validation_error, apply_override, dump_config,
-                                 load_config)
+from orchestrator.config import (
+    ConfigError,
+    FleetConfig,
+    _format_validation_error,
+    apply_override,
+    dump_config,
+    load_config,
+)
 from rewards.datasets import DatasetError, read_yaml_mapping
 
 COMMANDS = {"sft": "sft", "rl": "train", "rft": "rft", "distill": "distill", "dpo": "train"}

@@ -12,7 +12,8 @@ The token contract (what the learner trains on):
 Limits (:class:`EpisodeLimits`) end an episode cleanly with a recorded ``termination``: ``done`` (the environment
 said so), ``max_turns``, ``max_tool_calls``, ``max_total_tokens`` (a turn is cut to the budget left; an
 observation that would overflow it is not appended), ``truncated`` (a turn hit the per-turn cap unfinished),
-``timeout`` (the environment's own time, see :class:`EnvClock`) or ``env_error`` (the environment raised). ``close()`` is called once in every case.
+``timeout`` (the environment's own time, see :class:`EnvClock`) or ``env_error`` (the environment raised).
+``close()`` is called once in every case.
 """
 
 from __future__ import annotations
