@@ -32,7 +32,8 @@ def assemble_advantages(cfg, x: AdvantageInputs) -> tuple[Tensor, Tensor | None]
     return fn(cfg, x)
 
 
-OBJECTIVE_KEYS = {"policy": POLICY_LOSS_KEYS, "sft": (), "dpo": ("beta", "label_smoothing"), "prm": ()}
+OBJECTIVE_KEYS = {"policy": POLICY_LOSS_KEYS, "sft": (), "dpo": ("beta", "label_smoothing"), "prm": (),
+                  "bradley_terry": ()}
 """Each learner objective's settings, read from the algorithm section."""
 
 

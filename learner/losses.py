@@ -203,6 +203,32 @@ def prm_loss(logp: Tensor, targets: Tensor, mask: Tensor, scale: LossScale) -> t
                   "actor/loss": loss.detach()}
 
 
+@register_loss("bradley_terry")
+def bradley_terry_loss(logp: Tensor, mask: Tensor, scale: LossScale,
+                       targets: Tensor | None = None) -> tuple[Tensor, dict]:
+    """Bradley-Terry preference (reward) model on (chosen, rejected) row pairs laid out as DPO's: row ``2k`` the
+    chosen response, row ``2k + 1`` the rejected one. A response's score is the log-odds of the tag probability at
+    its one masked position (the outcome layout of :mod:`rewards.prm`: ``p = exp(logp)``,
+    ``r = log p - log(1 - p)``, so the served ``p`` is ``sigmoid(r)``). With ``z = r_chosen - r_rejected`` the
+    loss is ``-q * log sigmoid(z) - (1 - q) * log sigmoid(-z)`` averaged over the minibatch's pairs, ``q`` the
+    pair's soft label from ``targets`` (its value at the chosen row's tag; 1 without targets). A pair with an
+    empty row (a filler) adds nothing."""
+    if logp.shape[0] % 2:
+        raise ValueError(f"bradley_terry_loss needs (chosen, rejected) row pairs, got {logp.shape[0]} rows")
+    m = mask.to(logp.dtype)
+    lp = logp.clamp(max=-1e-6)
+    score = ((lp - torch.log(-torch.expm1(lp))) * m).sum(-1).view(-1, 2)
+    real = (m.sum(-1) > 0).view(-1, 2).all(-1).to(logp.dtype)
+    z = score[:, 0] - score[:, 1]
+    q = torch.ones_like(z) if targets is None else \
+        ((targets * m).sum(-1) / m.sum(-1).clamp(min=1.0)).view(-1, 2)[:, 0].to(logp.dtype)
+    per_pair = -q * torch.nn.functional.logsigmoid(z) - (1.0 - q) * torch.nn.functional.logsigmoid(-z)
+    pairs = max(scale.num_seqs // 2, 1)
+    loss = (per_pair * real).sum() / pairs
+    return loss, {"rm/loss": loss.detach(), "rm/accuracy": ((z > 0).to(logp.dtype) * real).sum().detach() / pairs,
+                  "rm/margin": (z.detach() * real).sum() / pairs, "actor/loss": loss.detach()}
+
+
 def call_loss(name: str, inputs: dict, settings: dict) -> tuple[Tensor, dict]:
     """Run the registered loss ``name`` on the micro-batch ``inputs`` its signature names (``logp``, ``mask``,
     ``scale``, ``old_logp``, ``advantages``, ``ref_logp``, ``entropy``, ``rollout_logp``, ``targets``) and its

@@ -208,6 +208,26 @@ class PRMConfig(ObjectiveConfig):
         return False
 
 
+class RewardModelConfig(ObjectiveConfig):
+    """A Bradley-Terry preference (reward) model from preference pairs (`fleetrl train` with `algorithm.name:
+    reward_model`): pairwise log-sigmoid loss of the score difference, soft labels allowed. The score is the
+    log-odds of a tag token after the response (the outcome-model layout of rewards/prm.py), so `final/` is an
+    HF causal LM that the `orm-i` actors serve (`prm.orm_path`, e.g. search's `orm_best_of_n`)."""
+
+    name: Literal["reward_model"] = "reward_model"
+    """Selects this objective: `algorithm.name: reward_model`."""
+    objective: ClassVar[str] = "bradley_terry"
+    pairs: str | None = None
+    """Required (a pipeline's `ai_preferences: N` stage writes it): a JSONL file of `prompt`, `chosen`,
+    `rejected` (strings or chat messages) and optional `preference` (P(chosen is better), a soft label): what
+    `fleetrl cai prefer` writes and DPO's offline pairs are."""
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    """Share of the pairs (by prompt) held out for `rm/heldout_accuracy`."""
+
+    def needs_reference(self) -> bool:
+        return False
+
+
 ALGORITHMS = (GRPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, ReinforcePPBaselineConfig, GDPOConfig,
-              GRPOProcessConfig, PPOConfig, SFTConfig, DPOConfig, PRMConfig)
+              GRPOProcessConfig, PPOConfig, SFTConfig, DPOConfig, PRMConfig, RewardModelConfig)
 AlgorithmConfig = Annotated[Union[ALGORITHMS], Field(discriminator="name")]  # noqa: UP007 - a tuple of classes

@@ -10,6 +10,7 @@ Load a YAML file and apply dotted overrides with :func:`load_config`; errors com
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -205,11 +206,26 @@ class RolloutConfig(Section):
 
 class RewardFunctionSpec(Section):
     name: str = "math"
-    """A built-in reward (see rewards.REWARD_FUNCTIONS) or an import path `pkg.module:function`."""
+    """A built-in reward (see rewards.REWARD_FUNCTIONS), an import path `pkg.module:function`, or `judge`: an AI
+    judge scores each response against the constitution's rubric questions (`cai` section; rewards/judge.py)."""
     weight: float = 1.0
     """Weight of this function's value in the summed reward."""
     params: dict[str, float | int | str | bool] = Field(default_factory=dict)
-    """Keyword arguments bound to the function (e.g. `{max_len: 64}` for `length`)."""
+    """Keyword arguments bound to the function (e.g. `{max_len: 64}` for `length`; the judge's `on_error`: the
+    score of a response the judge could not read, default 0)."""
+
+    @model_validator(mode="after")
+    def _check_judge_params(self) -> RewardFunctionSpec:
+        from rewards.judge import NAME, PARAMS
+
+        if self.name == NAME:
+            bad = sorted(set(self.params) - set(PARAMS))
+            if bad:
+                raise ValueError(f"reward function judge: unknown params {bad}; allowed: {sorted(PARAMS)}")
+            value = self.params.get("on_error", 0.0)
+            if isinstance(value, bool | str) or not math.isfinite(value):
+                raise ValueError(f"reward function judge: params.on_error must be a finite number, got {value!r}")
+        return self
 
 
 class RewardModelConfig(Section):
@@ -459,6 +475,36 @@ class FleetConfig(Section):
                 raise ValueError("rollout.mode=one_step_off needs the truncated-IS correction: set "
                                  "algorithm.tis_cap (e.g. 2.0), not null")
         return self
+
+    @model_validator(mode="after")
+    def _check_judge(self) -> FleetConfig:
+        if self.judge_spec is None:
+            return self
+        from rewards.judge import NAME
+
+        if sum(f.name == NAME for f in self.reward.functions) > 1:
+            raise ValueError("reward.functions: judge is listed more than once; give it once")
+        if self.cai.judge == "policy" and self.data.prompt_format == "raw":
+            raise ValueError("reward.functions: judge with cai.judge: policy asks the policy chat questions; "
+                             "data.prompt_format raw has none (use auto or chat, or cai.judge: model)")
+        if self.cai.judge == "rule":
+            raise ValueError("reward.functions: judge needs cai.judge: policy or model (a rule is a reward "
+                             "function of its own: use `constitution`)")
+        from rewards.constitution import load_constitution
+
+        constitution = load_constitution(self.cai.principles)
+        missing = [p.name for p in constitution.principles if not p.rubric]
+        if missing:
+            raise ValueError(f"reward.functions: judge asks each principle's rubric question; cai.principles "
+                             f"{self.cai.principles or '(default)'} has none for {missing}")
+        return self
+
+    @property
+    def judge_spec(self) -> RewardFunctionSpec | None:
+        """The `judge` entry of `reward.functions`, if any."""
+        from rewards.judge import NAME
+
+        return next((f for f in self.reward.functions if f.name == NAME), None)
 
     @model_validator(mode="after")
     def _check_lora(self) -> FleetConfig:

@@ -197,9 +197,10 @@ class RolloutPool(ActorPool):
                                                                   temperature, r.top_p, seed, None, stop), parts)
         return [s for out in outs for s in out]
 
-    def option_logprobs(self, prompts: list[list[dict]], prefix: str, option_ids: list[int]) -> list[list[float]]:
-        """Each chat prompt's next-token logprobs of ``option_ids`` after ``prefix``, spread over the engines in
-        order (:meth:`RolloutWorker.option_logprobs`)."""
+    def option_logprobs(self, prompts: list[list[dict]], prefix: str,
+                        option_ids: list[int]) -> list[list[float] | None]:
+        """Each chat prompt's next-token logprobs of ``option_ids`` after ``prefix`` (None: too long for the
+        engine), spread over the engines in order (:meth:`RolloutWorker.option_logprobs`)."""
         outs = self.fan_out(lambda w, part: w.option_logprobs.remote(part, prefix, option_ids),
                             _chunks(prompts, len(self.workers)))
         return [x for out in outs for x in out]
@@ -268,25 +269,33 @@ class EnvPool(ActorPool):
 class RewardPool(ActorPool):
     """The `reward-i` actors. ``score`` spreads samples over workers and keeps order. With ``reward.model.path``
     set, the `reward-model-i` actors (:class:`RewardModelPool`) also score every sample: component
-    ``reward_model``, added to the reward with weight ``reward.model.weight``."""
+    ``reward_model``, added to the reward with weight ``reward.model.weight``. With a ``judge`` entry in
+    ``reward.functions``, ``judge`` (a :class:`rewards.judge.Judge` and the engines it asks) adds component
+    ``judge`` to the training samples (:meth:`score_judged`)."""
 
     role = "reward"
 
-    def __init__(self, cfg: FleetConfig):
+    def __init__(self, cfg: FleetConfig, judge: tuple | None = None):
         self.cfg = cfg
         super().__init__(cfg.reward.num_workers, cfg.reward.max_restarts)
         self.model_pool = RewardModelPool(cfg) if cfg.reward.model.path else None
+        self.judge, self.judge_engines = judge or (None, None)
 
     def ready(self) -> list:
-        return super().ready() + (self.model_pool.ready() if self.model_pool else [])
+        own_engines = isinstance(self.judge_engines, JudgePool)
+        return super().ready() + (self.model_pool.ready() if self.model_pool else []) + \
+            (self.judge_engines.ready() if own_engines else [])
 
     def _spawn(self, index: int, name: str):
         rc = self.cfg.reward
-        specs = [(f.name, f.weight, f.params) for f in rc.functions]
+        judge = self.cfg.judge_spec
+        specs = [(f.name, f.weight, f.params) for f in rc.functions if f is not judge]
         return ray.remote(RewardWorker).options(num_cpus=rc.num_cpus, resources=rc.resources or None,
                                                 **self._options(name)).remote(specs, rc.timeout_s, rc.strict)
 
     def score(self, samples: list[Sample]) -> tuple[list[ScoredSample], int]:
+        """Every sample's reward and components from the functions and the reward model (not the judge), and how
+        many reward-function calls failed."""
         parts = _chunks(samples, len(self.workers))
         outs = self.fan_out(
             lambda w, part: w.score.remote([(s.prompt_text, s.completion_text, s.metadata) for s in part]), parts)
@@ -301,6 +310,25 @@ class RewardPool(ActorPool):
                 x.components["reward_model"] = value
                 x.reward += weight * value
         return scored, errors
+
+    def score_judged(self, samples: list[Sample], prompts: list[Prompt]) -> tuple[list[ScoredSample], int, int]:
+        """:meth:`score`, plus the judge's component when one is configured: ``(scored, reward-function errors,
+        verdicts the judge could not read)``. ``prompts``: the task prompts the samples answer (the judge reads
+        their conversations)."""
+        scored, errors = self.score(samples)
+        if self.judge is None:
+            return scored, errors, 0
+        from rewards.judge import as_messages
+
+        texts = {p.uid: p.text for p in prompts}
+        items = [(as_messages(texts[x.sample.prompt_uid]), x.sample.completion_text, x.sample.metadata)
+                 for x in scored]
+        values, judge_errors = self.judge.score(self.judge_engines, items)
+        weight = self.cfg.judge_spec.weight
+        for x, value in zip(scored, values):
+            x.components["judge"] = value
+            x.reward += weight * value
+        return scored, errors, judge_errors
 
 
 class RewardModelPool(ActorPool):

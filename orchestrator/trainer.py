@@ -65,6 +65,11 @@ class Trainer:
         self.stop_requested = False  # `fleetrl stop`: end at the next step boundary
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
         self.resume_from = ckpt.resolve(resume, self.run_dir) if resume else None
+        self.judge = None  # the `judge` reward (rewards/judge.py), checked before any actor starts
+        if cfg.judge_spec:
+            from orchestrator.recipes.cai import reward_judge
+
+            self.judge = reward_judge(cfg)
 
     def start(self) -> None:
         """Create the run directory and the actor groups (rollout, reward, learner)."""
@@ -84,7 +89,7 @@ class Trainer:
         self.envs = EnvPool(self.cfg) if self.cfg.env.name and self.cfg.env.num_workers else None
         self.rollouts = RolloutPool(self.cfg, max_model_len=max_len, current_weights=self.learner.weight_buckets,
                                     envs=self.envs)
-        self.rewards = RewardPool(self.cfg)
+        self.rewards = RewardPool(self.cfg, judge=self._judge_with_engines())
         self.prm = PRMPool(self.cfg, self.cfg.prm.path) if self.cfg.prm.path and self.uses_process_rewards() \
             else None
         self.controller = start_controller(self.run_dir.name, len(self.rollouts.workers), len(self.rewards.workers),
@@ -308,6 +313,14 @@ class Trainer:
         (scored, _, _), _ = self.prefetch.result()
         return len({x.sample.prompt_uid for x in scored})
 
+    def _judge_with_engines(self) -> tuple | None:
+        """The judge reward and the engines it asks: the `judge-i` engines of a feedback model, or the policy's."""
+        if self.judge is None:
+            return None
+        from orchestrator.recipes.cai import feedback_engines
+
+        return self.judge, feedback_engines(self.cfg) or self.rollouts
+
     def uses_process_rewards(self) -> bool:
         """Step rewards reach the advantages: ``grpo_process`` always, PPO when a PRM is configured."""
         a = self.cfg.algorithm
@@ -374,22 +387,24 @@ class Trainer:
         are all equal (zero advantage) are set aside and more prompts are sampled, up to
         ``rollout.max_sampling_rounds`` rounds; a batch still short is topped up with set-aside groups."""
         cfg, G = self.cfg, self.cfg.rollout.group_size
-        need, kept, spare, errors, rounds = cfg.data.prompts_per_step, [], [], 0, 0
+        need, kept, spare, errors, rounds, judge_errors = cfg.data.prompts_per_step, [], [], 0, 0, 0
         while len(kept) < need and rounds < (cfg.rollout.max_sampling_rounds if cfg.rollout.dynamic_sampling else 1):
             prompts = self.task.train_batch(step, need, round_=rounds)
             with timer("generate"):
                 samples = self.rollouts.generate(prompts, G, cfg.rollout.temperature,
                                                  seed=cfg.rollout.seed * 100_003 + step + 7919 * rounds)
             with timer("reward"):
-                scored, errs = self.rewards.score(samples)
+                scored, errs, judge_errs = self.rewards.score_judged(samples, prompts)
             errors += errs
+            judge_errors += judge_errs
             rounds += 1
             for g in range(len(prompts)):
                 group = scored[g * G: (g + 1) * G]
                 informative = not cfg.rollout.dynamic_sampling or len({x.reward for x in group}) > 1
                 (kept if informative else spare).append(group)
         groups = (kept + spare)[:need]
-        info = {"sampling/rounds": rounds, "sampling/informative_groups": len(kept)}
+        info = {"sampling/rounds": rounds, "sampling/informative_groups": len(kept),
+                **({"reward/judge_errors": judge_errors} if self.judge else {})}
         if cfg.env.name:
             info["env/dropped_groups"] = drop_errored_groups(groups) if cfg.env.errored == "drop_group" else 0
         return [x for grp in groups for x in grp], errors, info

@@ -37,6 +37,7 @@ DEFAULT_PRINCIPLES = Path(__file__).with_name("principles.yaml")
 ANSWER_PREFIX = "The answer is: ("
 """The text after which the feedback model's next token is one of the option letters."""
 JUDGE_SYSTEM = "You compare two responses of an assistant and say which one better satisfies a principle."
+RUBRIC_SYSTEM = "You read a response of an assistant and say whether it satisfies a principle."
 
 
 class ConstitutionError(ValueError):
@@ -53,6 +54,9 @@ class Principle(BaseModel):
     """The revision request: a user turn asking the model to rewrite its answer after its critique."""
     preference: str = Field(min_length=1)
     """The feedback model's question about two responses: "Which response ...?"."""
+    rubric: str | None = Field(None, min_length=1)
+    """The judge reward's yes/no question about one response: "Does the response ...?" (needed by
+    `reward.functions: [{name: judge}]`)."""
     rule: str | None = None
     """A registered reward function that checks the principle by rule (1.0 satisfied), for measurement."""
 
@@ -122,6 +126,20 @@ def preference_question(conversation: list[dict], responses: list[str], principl
     text = (f"Consider the following conversation:\n\n{transcript(conversation)}\n\n{principle.preference}\n"
             f"Options:\n{choices}\n\nReply with the letter of the better option.")
     return [{"role": "system", "content": JUDGE_SYSTEM}, {"role": "user", "content": text}]
+
+
+def rubric_question(conversation: list[dict], response: str, principle: Principle, options: list[str],
+                    yes_first: bool = True) -> list[dict]:
+    """The judge reward's yes/no question about one response (chat messages), answered after
+    :data:`ANSWER_PREFIX`; ``yes_first``: option 0 is "Yes" (else option 0 is "No", to cancel a position bias)."""
+    if not principle.rubric:
+        raise ConstitutionError(f"principle {principle.name!r} has no rubric question (the judge reward needs one)")
+    answers = ("Yes", "No") if yes_first else ("No", "Yes")
+    choices = "\n".join(f"({o}) {a}" for o, a in zip(options, answers))
+    answered = [*conversation, {"role": "assistant", "content": response.strip()}]
+    text = (f"Consider the following conversation:\n\n{transcript(answered)}\n\n{principle.rubric}"
+            f"\nOptions:\n{choices}\n\nReply with the letter of the right option.")
+    return [{"role": "system", "content": RUBRIC_SYSTEM}, {"role": "user", "content": text}]
 
 
 def option_token_ids(tokenizer, options: list[str], prefix: str = ANSWER_PREFIX) -> list[int]:

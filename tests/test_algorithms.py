@@ -27,7 +27,7 @@ def test_every_algorithm_config_has_exactly_one_assembly_function():
     policy = {cls.model_fields["name"].default for cls in algorithm_configs.ALGORITHMS if cls.objective == "policy"}
     assert policy == set(ALGORITHMS)
     others = {cls.objective for cls in algorithm_configs.ALGORITHMS if cls.objective != "policy"}
-    assert others == {"sft", "dpo", "prm"} and others <= set(LOSSES)
+    assert others == {"sft", "dpo", "prm", "bradley_terry"} and others <= set(LOSSES)
 
 
 def test_prompt_uids_become_group_ids_and_components_are_sorted_by_name():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.losses import LossScale, dpo_loss
+from learner.losses import LossScale, bradley_terry_loss, dpo_loss
 from orchestrator.config import ConfigError, load_config
 from orchestrator.recipes.cai import applicable, check_judge
 from orchestrator.recipes.data import load_pairs
@@ -72,6 +72,97 @@ def test_soft_label_dpo_loss_and_gradient_by_hand():
     want = -(q * math.log(sig[0]) + (1 - q) * math.log(1 - sig[0])) - (0.9 * math.log(sig[1]) +
                                                                         0.1 * math.log(1 - sig[1]))
     assert smooth.item() == pytest.approx(want / 2, abs=1e-6)
+
+
+def test_bradley_terry_loss_and_gradient_by_hand():
+    """Two pairs, the tag logp at one masked position per row. Score r = log p - log(1 - p); z = r_c - r_r; loss
+    per pair -q log sig(z) - (1 - q) log sig(-z), mean over pairs; d loss / d logp_c = (sig(z) - q) / (1 - p_c)
+    / pairs (d r / d logp = 1 / (1 - p)). A filler pair (empty rows) adds nothing."""
+    logp = torch.tensor([[0.0, -0.2], [0.0, -1.5], [-0.7, 0.0], [-0.4, 0.0], [-0.3, 0.0], [-0.3, 0.0]],
+                        requires_grad=True)
+    mask = torch.tensor([[0, 1], [0, 1], [1, 0], [1, 0], [0, 0], [0, 0]], dtype=torch.float32)
+    targets = mask * torch.tensor([[0.9], [0.9], [1.0], [1.0], [1.0], [1.0]])
+    loss, metrics = bradley_terry_loss(logp, mask, LossScale(6, 4, 2), targets)
+
+    def r(lp):
+        return lp - math.log(1 - math.exp(lp))
+    z = [r(-0.2) - r(-1.5), r(-0.7) - r(-0.4)]
+    sig = [1 / (1 + math.exp(-v)) for v in z]
+    per = [-(0.9 * math.log(sig[0]) + 0.1 * math.log(1 - sig[0])), -math.log(sig[1])]
+    assert loss.item() == pytest.approx(sum(per) / 3, abs=1e-6)  # 3 pairs in the minibatch, one a filler
+    assert metrics["rm/accuracy"].item() == pytest.approx(1 / 3) and z[0] > 0 > z[1]
+    loss.backward()
+    assert logp.grad[0, 1].item() == pytest.approx((sig[0] - 0.9) / (1 - math.exp(-0.2)) / 3, abs=1e-6)
+    assert logp.grad[1, 1].item() == pytest.approx(-(sig[0] - 0.9) / (1 - math.exp(-1.5)) / 3, abs=1e-6)
+    assert logp.grad[0, 0].item() == 0.0 and logp.grad[4:].abs().sum().item() == 0.0
+    hard, _ = bradley_terry_loss(logp.detach(), mask, LossScale(6, 4, 2))
+    assert hard.item() == pytest.approx(-(math.log(sig[0]) + math.log(sig[1])) / 3, abs=1e-6)
+
+
+class _Engines:
+    """Stands in for the judge's engines (a RolloutPool's ``option_logprobs``): answers "Yes" with the log-odds
+    it is given per response, None for a response marked too long, and records the calls."""
+
+    def __init__(self, yes_logodds: dict[str, float], fail: bool = False):
+        self.yes, self.fail, self.calls = yes_logodds, fail, []
+
+    def option_logprobs(self, questions, prefix, option_ids):
+        self.calls.append(len(questions))
+        if self.fail:
+            raise RuntimeError("engine died")
+        out = []
+        for q in questions:
+            text = q[-1]["content"]
+            response = next(k for k in self.yes if f"Assistant: {k}\n" in text)
+            if self.yes[response] is None:
+                out.append(None)
+                continue
+            yes_first = "(A) Yes" in text
+            a = self.yes[response]
+            out.append([a, 0.0] if yes_first else [0.0, a])
+        return out
+
+
+def test_the_judge_reward_batches_a_step_and_counts_what_it_cannot_read():
+    """One call for every rubric question of the step (both orders); each response's score is its mean P(yes)
+    over the principles that apply to its prompt; an unreadable verdict scores on_error and is counted."""
+    from rewards.judge import Judge
+
+    c = load_constitution()
+    conv = [{"role": "user", "content": "Tell me about cats."}]
+    items = [(conv, "Cats purr.", {"checks": ["one_sentence"]}),
+             (conv, "Cats sleep.", {"checks": ["no_digits", "one_sentence"], "words": True}),
+             (conv, "Too long.", {"checks": ["one_sentence"]})]
+    engines = _Engines({"Cats purr.": 2.0, "Cats sleep.": -1.0, "Too long.": None})
+    judge = Judge(c, [49, 50], both_orders=True, on_error=-1.0)
+    scores, errors = judge.score(engines, items)
+    assert engines.calls == [2 * (1 + 2 + 1)]  # one batched call: 4 questions, each in both orders
+    assert scores[0] == pytest.approx(1 / (1 + math.exp(-2.0)))
+    assert scores[1] == pytest.approx(1 / (1 + math.exp(1.0)))
+    assert scores[2] == -1.0 and errors == 1
+    down = _Engines({}, fail=True)
+    assert judge.score(down, items) == ([-1.0, -1.0, -1.0], 3)
+    with pytest.raises(RuntimeError, match="engine died"):  # reward.strict: a failing judge stops the run
+        Judge(c, [49, 50], strict=True).score(down, items)
+
+
+def test_judge_reward_config_errors_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"judge: unknown params \['bogus'\]; allowed: \['on_error'\]"):
+        load_config(None, ["reward.functions=[{name: judge, params: {bogus: 1}}]"])
+    with pytest.raises(ConfigError, match=r"judge needs cai.judge: policy or model"):
+        load_config(None, ["reward.functions=[{name: judge}]", "cai.judge=rule"])
+    with pytest.raises(ConfigError, match=r"params.on_error must be a finite number, got 'low'"):
+        load_config(None, ["reward.functions=[{name: judge, params: {on_error: low}}]"])
+    with pytest.raises(ConfigError, match=r"judge is listed more than once"):
+        load_config(None, ["reward.functions=[{name: judge}, {name: judge}]"])
+    with pytest.raises(ConfigError, match=r"data.prompt_format raw has none"):
+        load_config(None, ["reward.functions=[{name: judge}]", "data.prompt_format=raw"])
+    principles = tmp_path / "p.yaml"
+    principles.write_text("principles: [{name: x, critique: c, revision: r, preference: p}]")
+    with pytest.raises(ConfigError, match=r"p.yaml has none for \['x'\]"):
+        load_config(None, ["reward.functions=[{name: judge}]", f"cai.principles={principles}"])
+    assert load_config(None, ["reward.functions=[{name: judge, params: {on_error: 0.5}}]"]).judge_spec.params == \
+        {"on_error": 0.5}
 
 
 def test_preference_rows_carry_a_checked_soft_label(tmp_path):
@@ -180,6 +271,9 @@ TINY = """base:
 stages:
   - {name: sl_cai, kind: sft, cai_revisions: 64}
   - {name: rl_cai, kind: dpo, ai_preferences: 4}
+  - name: rl_judge
+    kind: rl
+    overrides: {reward.functions: [{name: judge}, {name: constitution, weight: 0.0}], run.dump_rollouts: true}
 """
 
 
@@ -188,10 +282,12 @@ stages:
 def test_sl_cai_then_rl_cai_in_a_pipeline_and_the_judges_probabilities_are_the_models(tmp_path):
     """Only this test guards the Constitutional AI stages with real engines: answers critiqued and revised
     (SFT rows), then response pairs labelled by the policy as judge (soft DPO pairs), each a `fleetrl cai`
-    process before its stage trains; and that the option probabilities the engines read from vLLM's prompt
-    logprobs are the model's own, recomputed here with transformers (fp32, < 1e-4; the labels are 0.50-0.53
-    here, so a misread position fails). The 64 critique turns are one seeded call whose new prompt tokens pass the
-    engine's 4096-token step budget: vLLM's CPU runner crashed on a seeded prefill split across steps."""
+    process before its stage trains, then a GRPO step rewarded by the `judge` reward; and that the option
+    probabilities the engines read from vLLM's prompt logprobs are the model's own, recomputed here with
+    transformers (fp32, < 1e-4; the labels are 0.50-0.53 here, so a misread position fails), for the pairs'
+    labels and for every judged sample's reward. The 64 critique turns are one seeded call whose new prompt
+    tokens pass the engine's 4096-token step budget: vLLM's CPU runner crashed on a seeded prefill split across
+    steps."""
     from tests.test_pipeline import _env
 
     run_dir = tmp_path / "cai"
@@ -201,7 +297,7 @@ def test_sl_cai_then_rl_cai_in_a_pipeline_and_the_judges_probabilities_are_the_m
                           env=_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     stages = json.loads((run_dir / "summary.json").read_text())["stages"]
-    assert [s["status"] for s in stages] == ["finished", "finished"]
+    assert [s["status"] for s in stages] == ["finished", "finished", "finished"]
     revised = [json.loads(line) for line in (run_dir / "01-sl_cai/cai_revisions.jsonl").read_text().splitlines()]
     assert 56 <= len(revised) <= 64  # a conversation whose revision came out empty is no SFT row
     for row in revised:
@@ -218,24 +314,50 @@ def test_sl_cai_then_rl_cai_in_a_pipeline_and_the_judges_probabilities_are_the_m
         want = _transformers_preference(judge, row["prompt"], row["chosen"], row["rejected"],
                                         c.by_name(row["principle"]))
         assert abs(want - checked["preference"]) < 1e-4, (want, checked["preference"])  # measured: <= 1e-5
+    _check_judge_rewards(run_dir / "03-rl_judge", judge=run_dir / "02-rl_cai/final", principles=c)
 
 
-def _transformers_preference(model_dir, prompt, chosen, rejected, principle) -> float:
-    """P(chosen is better) from transformers: the question asked in both orders, rendered by the tokenizer's chat
-    template with ANSWER_PREFIX after it, the option letters' next-token log-softmax normalized, averaged."""
+def _check_judge_rewards(stage_dir: Path, judge: Path, principles) -> None:
+    """Every sample of the judge-rewarded step scored its mean P(yes) over its prompt's principles, as
+    transformers computes it with the stage's starting policy (the judge); no judge errors."""
+    from orchestrator.launch import make_task
+    from rewards.constitution import rubric_question
+    from rewards.judge import applicable
+
+    rows = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in rows if "reward/judge" in r)
+    assert step["reward/judge_errors"] == 0 and 0.0 < step["reward/judge"] < 1.0
+    prompts = {p.uid: p for p in make_task(load_config(stage_dir / "config.yaml")).train_batch(0, 2)}
+    dumped = [json.loads(line) for line in (stage_dir / "rollouts/step_000000.jsonl").read_text().splitlines()]
+    assert len(dumped) == 4
+    for row in dumped:
+        p = prompts[row["uid"]]
+        yes = [_transformers_options(judge, rubric_question(p.text, row["completion"], pr, ["A", "B"], first))
+               [0 if first else 1] for pr in applicable(principles, p.metadata) for first in (True, False)]
+        assert abs(sum(yes) / len(yes) - row["components"]["judge"]) < 1e-4, (yes, row["components"])
+
+
+def _transformers_options(model_dir, question: list[dict]) -> list[float]:
+    """The option letters' next-token probabilities (normalized over A and B) after ``question`` rendered by the
+    tokenizer's chat template with ANSWER_PREFIX after it, from transformers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rewards.constitution import ANSWER_PREFIX, preference_question
+    from rewards.constitution import ANSWER_PREFIX
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = [tok(o, add_special_tokens=False)["input_ids"][-1] for o in ("A", "B")]
-    probs = []
-    for first, second in ((chosen, rejected), (rejected, chosen)):
-        text = tok.apply_chat_template(preference_question(prompt, [first, second], principle, ["A", "B"]),
-                                       tokenize=False, add_generation_prompt=True)
-        x = tok(text, add_special_tokens=False)["input_ids"] + tok(ANSWER_PREFIX, add_special_tokens=False)["input_ids"]
-        with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([x])).logits[0, -1].double(), -1)
-        probs.append(option_probabilities([logp[i].item() for i in ids]))
+    text = tok.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+    x = tok(text, add_special_tokens=False)["input_ids"] + tok(ANSWER_PREFIX, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([x])).logits[0, -1].double(), -1)
+    return option_probabilities([logp[i].item() for i in ids])
+
+
+def _transformers_preference(model_dir, prompt, chosen, rejected, principle) -> float:
+    """P(chosen is better) from transformers: the question asked in both orders, averaged."""
+    from rewards.constitution import preference_question
+
+    probs = [_transformers_options(model_dir, preference_question(prompt, [first, second], principle, ["A", "B"]))
+             for first, second in ((chosen, rejected), (rejected, chosen))]
     return (probs[0][0] + probs[1][1]) / 2

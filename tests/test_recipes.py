@@ -213,7 +213,8 @@ BASE = "base: {run: {dir: %s}}\n"
 
 
 @pytest.mark.parametrize("stages, message", [
-    ("[{name: a, kind: train}]", r"stage 1 \(a\): unknown kind 'train'; allowed: \['distill', 'dpo', 'rft', 'rl'"),
+    ("[{name: a, kind: train}]",
+     r"stage 1 \(a\): unknown kind 'train'; allowed: \['distill', 'dpo', 'reward_model', 'rft', 'rl'"),
     ("[{name: a, kind: rl, steps: 3}]", r"stage 1: unknown key\(s\) \['steps'\]"),
     ("[{name: a, kind: rl, overrides: {learner.lrr: 1}}]", r"stage 1 \(a\).*learner.lrr"),
     ("[{name: a, kind: sft, overrides: {sft.data: PAIRS}}]", r"stage 1 \(a\): .*pairs.jsonl:1: a row needs"),
@@ -223,7 +224,8 @@ BASE = "base: {run: {dir: %s}}\n"
      r"distill.teacher: '/nonexistent/teacher' is not a model directory"),
     ("[{name: a, kind: rl, tool_demos: 10}]", r"stage 1 \(a\): the rows to write first .*tool_demos \(sft\).* on a "
      r"stage of that kind.* on a rl stage"),
-    ("[{name: a, kind: sft, ai_preferences: 10}]", r"ai_preferences \(dpo\), on a stage of that kind"),
+    ("[{name: a, kind: sft, ai_preferences: 10}]", r"ai_preferences \(dpo\|reward_model\), on a stage of that kind"),
+    ("[{name: a, kind: reward_model}]", r"stage 1 \(a\): algorithm.pairs: a reward_model stage trains on preference"),
     ("[{name: a, kind: sft, cold_start: 10, tool_demos: 10}]", r"are one of"),
 ])
 def test_bad_recipes_exit_2_naming_stage_key_file_and_line_and_start_nothing(tmp_path, stages, message):

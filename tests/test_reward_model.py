@@ -90,3 +90,42 @@ def test_reward_model_actor_end_to_end(tmp_path, tiny_rm):
         assert "reward/reward_model" in r and r["reward/reward_model"] != 0.0
         assert r["reward/mean"] == pytest.approx(r["reward/math"] + 0.5 * r["reward/reward_model"], abs=1e-5)
     assert (run_dir / "final" / "config.json").exists()
+
+
+@pytest.mark.e2e
+def test_bradley_terry_reward_model_from_pairs_served_by_the_orm_actor(tmp_path):
+    """Only this test guards `algorithm.name: reward_model` with real actors: the learner group trains the
+    Bradley-Terry loss on (chosen, rejected) pairs with soft labels (the right sum against a wrong one with a digit
+    too many), the
+    held-out ranking accuracy rises from chance, and `final/` is an outcome model that `rewards.prm.PRMWorker`
+    (what the `orm-i` actors run) loads and that ranks the held-out pairs as the learner's last eval did."""
+    import random
+
+    from orchestrator.recipes.preference_model import is_held_out
+    from rewards.prm import PRMWorker
+    from rewards.tasks import make_task
+
+    rng = random.Random(0)
+    pairs = tmp_path / "pairs.jsonl"
+    rows = []
+    for p in make_task("arithmetic").train_batch(0, 160):
+        wrong = str(int(p.metadata["answer"]) * 10 + rng.randrange(10))
+        rows.append({"prompt": p.text, "chosen": p.metadata["answer"], "rejected": wrong,
+                     "preference": rng.choice([1.0, 0.9])})
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    metrics = run_fleetrl(run_dir, "algorithm.name=reward_model", f"algorithm.pairs={pairs}",
+                          "algorithm.eval_fraction=0.2", "data.prompts_per_step=8", "rollout.group_size=2",
+                          "trainer.total_steps=16", "trainer.eval_every=16", "rollout.num_workers=1",
+                          "learner.num_ranks=1", "learner.zero_stage=0", "learner.lr=2e-3")
+    evals = [m for m in metrics if "rm/heldout_accuracy" in m]
+    assert [m["step"] for m in evals] == [0, 16]
+    assert evals[-1]["rm/heldout_accuracy"] >= 0.8 > evals[0]["rm/heldout_accuracy"] + 0.15, evals
+    assert sum("rm/loss" in m for m in metrics) == 16
+    final = run_dir / "final"
+    assert json.loads((final / "fleetrl_prm.json").read_text())["target"] == "preference"
+    held = [r for r in rows if is_held_out(r, 0.2)]
+    served = PRMWorker(str(final), batch_size=16).score([(r["prompt"], [side]) for r in held
+                                                         for side in (r["chosen"], r["rejected"])])
+    ranked = sum(served[2 * i][-1] > served[2 * i + 1][-1] for i in range(len(held))) / len(held)
+    assert ranked == pytest.approx(evals[-1]["rm/heldout_accuracy"], abs=1e-9)

@@ -62,6 +62,7 @@ class RolloutWorker(LoggedActor):
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.llm = LLM(**kwargs)
+        self.max_model_len = max_model_len
         if partial_push:
             self.llm.collective_rpc("fleetrl_expect_partial_push")
         self.adapter = None  # the served LoRA adapter (learner.lora.push: adapter)
@@ -133,22 +134,25 @@ class RolloutWorker(LoggedActor):
             self.generated_tokens += len(token_ids)
         return samples
 
-    def option_logprobs(self, prompts: list[list[dict]], prefix: str, option_ids: list[int]) -> list[list[float]]:
+    def option_logprobs(self, prompts: list[list[dict]], prefix: str,
+                        option_ids: list[int]) -> list[list[float] | None]:
         """For each chat prompt: ``log p(option | prompt, prefix)`` of every option token id, where the prompt is
         rendered with the chat template and its generation prompt and ``prefix`` starts the reply (a judge's
         "The answer is: ("). Read from vLLM's prompt logprobs of ``prompt + prefix + option`` (one request per
-        option; prefix caching shares the rest), at temperature 1: the model's own distribution."""
+        option; prefix caching shares the rest), at temperature 1: the model's own distribution. None for a prompt
+        that does not fit the engine's context (the caller counts it; the others are still answered)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         head = self.tokenizer(prefix, add_special_tokens=False)["input_ids"]
-        requests = [TokensPrompt(prompt_token_ids=self.renderer.render(p)[1] + head + [o])
-                    for p in prompts for o in option_ids]
+        ids = [self.renderer.render(p)[1] + head for p in prompts]
+        fits = [len(x) + 1 < self.max_model_len for x in ids]
+        requests = [TokensPrompt(prompt_token_ids=x + [o]) for x, ok in zip(ids, fits) if ok for o in option_ids]
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
-        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora_request())
-        k = len(option_ids)
-        logps = [out.prompt_logprobs[-1][out.prompt_token_ids[-1]].logprob for out in outputs]
-        return [logps[i * k:(i + 1) * k] for i in range(len(prompts))]
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora_request()) \
+            if requests else []
+        logps = iter(out.prompt_logprobs[-1][out.prompt_token_ids[-1]].logprob for out in outputs)
+        return [[next(logps) for _ in option_ids] if ok else None for ok in fits]
 
     def run_episodes(self, prompts: list[tuple[str, str | list[dict], dict]], group_size: int, env: dict,
                      max_new_tokens: int, temperature: float, top_p: float, seed: int | None,

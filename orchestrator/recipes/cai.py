@@ -39,23 +39,10 @@ from rewards.constitution import (
     preference_question,
 )
 from rewards.functions import is_correct, load_reward_function
+from rewards.judge import Judge, applicable, as_messages
 from rewards.tasks import Prompt
 
 log = logging.getLogger("fleetrl")
-
-
-def applicable(constitution: Constitution, metadata: dict) -> list[Principle]:
-    """The principles that apply to a prompt: those whose rule the prompt lists in ``metadata["checks"]``, and
-    those without a rule; all of them when the prompt lists no checks."""
-    checks = metadata.get("checks")
-    if not checks:
-        return list(constitution.principles)
-    return [p for p in constitution.principles if p.rule is None or p.rule in checks] or \
-        list(constitution.principles)
-
-
-def as_messages(prompt) -> list[dict]:
-    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
 
 
 def rule_satisfied(principle: Principle, messages: list[dict], response: str, metadata: dict) -> bool | None:
@@ -77,7 +64,7 @@ class CAIRun:
 
     def __init__(self, cfg: FleetConfig, n: int, judging: bool = False):
         from orchestrator.launch import init_ray, make_task, max_model_len
-        from orchestrator.pools import JudgePool, RolloutPool, wait_ready
+        from orchestrator.pools import RolloutPool, wait_ready
 
         try:
             self.constitution = load_constitution(cfg.cai.principles)
@@ -91,13 +78,7 @@ class CAIRun:
         self.calls = 0
         init_ray(cfg)
         self.rollouts = RolloutPool(cfg, max_model_len=max_model_len(cfg))
-        self.judge = None
-        if judging and cfg.cai.judge == "model":
-            judge_cfg = cfg.model_copy(deep=True)
-            judge_cfg.model.path = cfg.cai.feedback_model
-            judge_cfg.data.system_prompt = None
-            judge_cfg.rollout.num_workers = 1
-            self.judge = JudgePool(judge_cfg, max_model_len=max_model_len(judge_cfg))
+        self.judge = feedback_engines(cfg) if judging else None
         wait_ready(self.rollouts, self.judge)
 
     def reply(self, conversations: list[list[dict]], temperature: float, group_size: int = 1) -> list[str]:
@@ -184,9 +165,38 @@ def judge_pairs(run: CAIRun, convs: list[list[dict]], pairs: list[tuple[str, str
     for order in orders:
         questions = [preference_question(conv, [pair[order[0]], pair[order[1]]], pr, options)
                      for conv, pair, pr in zip(convs, pairs, drawn)]
-        readings.append([option_probabilities(lp) for lp in engines.option_logprobs(questions, ANSWER_PREFIX,
-                                                                                      run.option_ids)])
+        answered = engines.option_logprobs(questions, ANSWER_PREFIX, run.option_ids)
+        # a question too long for the judge's context has no reading: no preference either way
+        readings.append([option_probabilities(lp) if lp else [0.5, 0.5] for lp in answered])
     return [preference_from_orders(*(r[i] for r in readings)) for i in range(len(pairs))]
+
+
+def feedback_engines(cfg: FleetConfig):
+    """The `judge-i` engines of ``cai.feedback_model`` (one engine, no system prompt) for ``cai.judge: model``;
+    None otherwise (the policy's own engines judge)."""
+    from orchestrator.launch import max_model_len
+    from orchestrator.pools import JudgePool
+
+    if cfg.cai.judge != "model":
+        return None
+    judge_cfg = cfg.model_copy(deep=True)
+    judge_cfg.model.path = cfg.cai.feedback_model
+    judge_cfg.data.system_prompt = None
+    # room for the question around a conversation and a full-length response
+    judge_cfg.data.max_prompt_tokens = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens + 256
+    judge_cfg.rollout.num_workers = 1
+    return JudgePool(judge_cfg, max_model_len=max_model_len(judge_cfg))
+
+
+def reward_judge(cfg: FleetConfig) -> Judge:
+    """The ``judge`` reward of ``reward.functions`` (:mod:`rewards.judge`), its judge model and option tokens
+    checked before any actor starts."""
+    try:
+        constitution = load_constitution(cfg.cai.principles)
+    except ConstitutionError as e:
+        raise ConfigError(f"cai.principles: {e}") from None
+    on_error = float(cfg.judge_spec.params.get("on_error", 0.0))  # checked by the config
+    return Judge(constitution, check_judge(cfg, constitution), cfg.cai.both_orders, on_error, cfg.reward.strict)
 
 
 def check_judge(cfg: FleetConfig, constitution: Constitution) -> list[int]:

@@ -48,12 +48,15 @@ from orchestrator.config import (
 )
 from rewards.datasets import DatasetError, read_yaml_mapping
 
-COMMANDS = {"sft": "sft", "rl": "train", "rft": "rft", "distill": "distill", "dpo": "train"}
+COMMANDS = {"sft": "sft", "rl": "train", "rft": "rft", "distill": "distill", "dpo": "train", "reward_model": "train"}
 """Stage kind -> the `fleetrl` command that runs it."""
 RECIPE_KEYS = {"base", "stages", "description"}
-DATA_KEYS = {"cold_start": "sft", "tool_demos": "sft", "cai_revisions": "sft", "ai_preferences": "dpo"}
+DATA_KEYS = {"cold_start": ("sft",), "tool_demos": ("sft",), "cai_revisions": ("sft",),
+             "ai_preferences": ("dpo", "reward_model")}
 """Stage keys that make a stage write its own data first (``N`` rows: ``fleetrl data cold-start|tool-demos``,
-``fleetrl cai revise|prefer``), and the stage kind each is for."""
+``fleetrl cai revise|prefer``), and the stage kinds each is for."""
+PAIR_KINDS = ("dpo", "reward_model")
+"""Stage kinds whose algorithm section is replaced by their own (``algorithm.name`` = the kind), reading pairs."""
 STAGE_KEYS = {"name", "kind", "overrides", *DATA_KEYS}
 
 
@@ -132,14 +135,15 @@ def load_recipe(path: str | Path, cli_overrides: list[str]) -> list[Stage]:
             raise ConfigError(f"{where} ({name}): unknown kind {kind!r}; allowed: {sorted(COMMANDS)}")
         where = f"{where} ({name})"
         ovs = _overrides(raw.get("overrides"), where)
-        if kind == "dpo":  # the algorithm section becomes DPO's (other algorithms' keys do not carry over)
-            if any(o.startswith("algorithm.name=") and o != "algorithm.name=dpo" for o in ovs):
-                raise ConfigError(f"{where}: a dpo stage trains algorithm.name=dpo")
-            ovs = ["algorithm={}", "algorithm.name=dpo", *ovs]
+        if kind in PAIR_KINDS:  # the algorithm section becomes the kind's (other algorithms' keys do not carry over)
+            if any(o.startswith("algorithm.name=") and o != f"algorithm.name={kind}" for o in ovs):
+                raise ConfigError(f"{where}: a {kind} stage trains algorithm.name={kind}")
+            ovs = ["algorithm={}", f"algorithm.name={kind}", *ovs]
         tree = _stage_tree(base_tree, [*ovs, *cli_overrides], where)
         tree.setdefault("run", {})["dir"] = str(run_dir / f"{i + 1:02d}-{name}")
-        if out and not any(o.startswith("model.path=") for o in ovs):
-            tree.setdefault("model", {})["path"] = str(out[-1].dir / "final")
+        policies = [st for st in out if st.kind != "reward_model"]  # a reward model is not the next policy
+        if policies and not any(o.startswith("model.path=") for o in ovs):
+            tree.setdefault("model", {})["path"] = str(policies[-1].dir / "final")
         if not any(o.startswith("data.seed=") for o in ovs):  # each stage its own prompts, not stage 1's again
             tree["data"]["seed"] = root["data"]["seed"] + i
         cfg = FleetConfig.model_validate(tree)
@@ -152,8 +156,8 @@ def _writes(raw: dict, kind: str, where: str) -> tuple[str, int] | None:
     if not given:
         return None
     n = raw[given[0]]
-    if len(given) > 1 or kind != DATA_KEYS[given[0]] or not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        kinds = ", ".join(f"{k} ({v})" for k, v in DATA_KEYS.items())
+    if len(given) > 1 or kind not in DATA_KEYS[given[0]] or not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        kinds = ", ".join(f"{k} ({'|'.join(v)})" for k, v in DATA_KEYS.items())
         raise ConfigError(f"{where}: the rows to write first are one of {kinds}, on a stage of that kind, a "
                           f"positive integer; got {dict((k, raw[k]) for k in given)} on a {kind} stage")
     return given[0], n
@@ -204,8 +208,11 @@ def check_inputs(stages: list[Stage]) -> None:
                 if not st.cfg.sft.data:
                     raise ConfigError("sft.data: give a JSONL file, or cold_start: N / tool_demos: N to write one")
                 load_sft_rows(st.cfg.sft.data)
-            if st.kind == "dpo" and st.cfg.algorithm.pairs:
+            if st.kind in PAIR_KINDS and st.cfg.algorithm.pairs:
                 load_pairs(st.cfg.algorithm.pairs)
+            elif st.kind == "reward_model" and st.writes is None:
+                raise ConfigError("algorithm.pairs: a reward_model stage trains on preference pairs; give a file, "
+                                  "or ai_preferences: N to write them")
             if st.kind == "distill":
                 check_teacher(st.cfg)
         except (ConfigError, DatasetError) as e:

@@ -164,9 +164,9 @@ def prm_example(tokenizer, row: dict, tag: int, target: str) -> PRMExample:
     return PRMExample(prompt_ids, ids, mask, targets)
 
 
-def prm_batch(examples: list[PRMExample], size: int, pad_id: int):
+def prm_batch(examples: list[PRMExample], size: int, pad_id: int, rows_per_unit: int = 1):
     """:func:`examples_batch` plus the targets in the learner's ``[B, T]`` layout."""
-    batch = examples_batch(examples, size, pad_id)
+    batch = examples_batch(examples, size, pad_id, rows_per_unit)
     targets = torch.zeros_like(batch.response_mask)
     for i in range(min(len(examples), size)):
         t = examples[i].targets
