@@ -1,6 +1,7 @@
 """Constitutional AI (issue #29): principles, the judge's option probabilities, soft-label DPO, the rule checks,
 bad input; and one tiny SL-CAI -> RL-CAI pipeline with real actors on SmolLM2."""
 
+import functools
 import json
 import math
 import subprocess
@@ -337,15 +338,20 @@ def _check_judge_rewards(stage_dir: Path, judge: Path, principles) -> None:
         assert abs(sum(yes) / len(yes) - row["components"]["judge"]) < 1e-4, (yes, row["components"])
 
 
+@functools.lru_cache(maxsize=2)
+def _transformers_model(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir), \
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
 def _transformers_options(model_dir, question: list[dict]) -> list[float]:
     """The option letters' next-token probabilities (normalized over A and B) after ``question`` rendered by the
     tokenizer's chat template with ANSWER_PREFIX after it, from transformers."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from rewards.constitution import ANSWER_PREFIX
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok, model = _transformers_model(model_dir)
     ids = [tok(o, add_special_tokens=False)["input_ids"][-1] for o in ("A", "B")]
     text = tok.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
     x = tok(text, add_special_tokens=False)["input_ids"] + tok(ANSWER_PREFIX, add_special_tokens=False)["input_ids"]
