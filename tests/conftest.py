@@ -123,6 +123,16 @@ def smollm2_import(tmp_path_factory) -> dict:
     return {"dir": out, "path": out / "smollm2", "check": json.loads(lines[0].split(" ", 1)[1])}
 
 
+@pytest.fixture(scope="session")
+def smollm2(request) -> Path:
+    """SmolLM2-135M-Instruct: `make smollm2`'s model when it is there, else the session's conversion (the one
+    test_model_import checks), so a clean clone (CI) runs every SmolLM2 test rather than skipping it."""
+    made = ROOT / ".fleetrl/models/smollm2-135m-instruct"
+    if (made / "config.json").exists():
+        return made
+    return request.getfixturevalue("smollm2_import")["path"]
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _HEAD:
         stop_ray_processes(_HEAD["port"], _HEAD["temp"])

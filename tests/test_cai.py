@@ -30,8 +30,6 @@ from rewards.datasets import DatasetError
 from rewards.tasks import make_task
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOLLM2 = ROOT / ".fleetrl/models/smollm2-135m-instruct"
-needs_smollm2 = pytest.mark.skipif(not (SMOLLM2 / "config.json").exists(), reason="make smollm2 first")
 
 
 def test_option_probabilities_and_both_orders_by_hand():
@@ -230,17 +228,16 @@ def test_a_malformed_principles_file_names_the_file_and_key(tmp_path, text, mess
         load_config(None, [f"cai.principles={path}"])
 
 
-@needs_smollm2
-def test_options_must_be_single_tokens_and_the_judge_a_causal_lm(tmp_path):
+def test_options_must_be_single_tokens_and_the_judge_a_causal_lm(tmp_path, smollm2):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(SMOLLM2)
+    tok = AutoTokenizer.from_pretrained(smollm2)
     assert option_token_ids(tok, ["A", "B"]) == [49, 50]
     with pytest.raises(ConstitutionError, match=r"options: 'Yes indeed' is not one token"):
         option_token_ids(tok, ["A", "Yes indeed"])
     principles = tmp_path / "p.yaml"
     principles.write_text("options: [A, Maybe so]\nprinciples: [{name: x, critique: c, revision: r, preference: p}]")
-    base = [f"model.path={SMOLLM2}", "data.task=constitution"]
+    base = [f"model.path={smollm2}", "data.task=constitution"]
     with pytest.raises(ConfigError, match=r"cai.principles .*p.yaml: options: 'Maybe so' is not one token"):
         check_judge(load_config(None, [*base, f"cai.principles={principles}"]), load_constitution(principles))
     rm = tmp_path / "rm"
@@ -250,11 +247,10 @@ def test_options_must_be_single_tokens_and_the_judge_a_causal_lm(tmp_path):
         check_judge(load_config(None, [*base, "cai.judge=model", f"cai.feedback_model={rm}"]), load_constitution())
 
 
-@needs_smollm2
-def test_cai_prefer_with_a_bad_judge_exits_2_before_starting_anything(tmp_path):
+def test_cai_prefer_with_a_bad_judge_exits_2_before_starting_anything(tmp_path, smollm2):
     out = tmp_path / "pairs.jsonl"
     proc = subprocess.run([sys.executable, "-m", "orchestrator", "cai", "prefer", "--n", "4", "--out", str(out),
-                           f"model.path={SMOLLM2}", "data.task=constitution", "cai.judge=model",
+                           f"model.path={smollm2}", "data.task=constitution", "cai.judge=model",
                            f"cai.feedback_model={tmp_path}", f"run.dir={tmp_path / 'run'}"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "cai.feedback_model" in proc.stderr and "not a model directory" in proc.stderr
@@ -279,8 +275,7 @@ stages:
 
 
 @pytest.mark.e2e
-@needs_smollm2
-def test_sl_cai_then_rl_cai_in_a_pipeline_and_the_judges_probabilities_are_the_models(tmp_path):
+def test_sl_cai_then_rl_cai_in_a_pipeline_and_the_judges_probabilities_are_the_models(tmp_path, smollm2):
     """Only this test guards the Constitutional AI stages with real engines: answers critiqued and revised
     (SFT rows), then response pairs labelled by the policy as judge (soft DPO pairs), each a `fleetrl cai`
     process before its stage trains, then a GRPO step rewarded by the `judge` reward; and that the option
@@ -293,7 +288,7 @@ def test_sl_cai_then_rl_cai_in_a_pipeline_and_the_judges_probabilities_are_the_m
 
     run_dir = tmp_path / "cai"
     recipe = tmp_path / "cai.yaml"
-    recipe.write_text(TINY % (SMOLLM2, run_dir))
+    recipe.write_text(TINY % (smollm2, run_dir))
     proc = subprocess.run([sys.executable, "-m", "orchestrator", "pipeline", "-c", str(recipe)], cwd=ROOT,
                           env=_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]

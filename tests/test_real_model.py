@@ -11,18 +11,7 @@ import math
 
 import pytest
 
-from tests.conftest import ROOT
 from tests.test_e2e import run_fleetrl
-
-SMOLLM2 = ROOT / ".fleetrl/models/smollm2-135m-instruct"
-
-
-@pytest.fixture(scope="module")
-def smollm2(request):
-    """`make smollm2`'s model when it is there, else the session's conversion (the one test_model_import checks)."""
-    if (SMOLLM2 / "config.json").exists():
-        return SMOLLM2
-    return request.getfixturevalue("smollm2_import")["path"]
 
 
 @pytest.mark.e2e
