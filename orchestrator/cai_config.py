@@ -41,3 +41,27 @@ class CAISection(Section):
 
             load_constitution(self.principles)  # a ConstitutionError (a ValueError) names the file and key
         return self
+
+
+def check_judge_reward(functions: list, cai: CAISection, prompt_format: str) -> None:
+    """The checks of a `judge` entry in `reward.functions` that need the rest of the config: listed once, a judge
+    that reads chat questions, and a rubric question for every principle."""
+    from rewards.judge import NAME
+
+    count = sum(f.name == NAME for f in functions)
+    if not count:
+        return
+    if count > 1:
+        raise ValueError("reward.functions: judge is listed more than once; give it once")
+    if cai.judge == "policy" and prompt_format == "raw":
+        raise ValueError("reward.functions: judge with cai.judge: policy asks the policy chat questions; "
+                         "data.prompt_format raw has none (use auto or chat, or cai.judge: model)")
+    if cai.judge == "rule":
+        raise ValueError("reward.functions: judge needs cai.judge: policy or model (a rule is a reward "
+                         "function of its own: use `constitution`)")
+    from rewards.constitution import load_constitution
+
+    missing = [p.name for p in load_constitution(cai.principles).principles if not p.rubric]
+    if missing:
+        raise ValueError(f"reward.functions: judge asks each principle's rubric question; cai.principles "
+                         f"{cai.principles or '(default)'} has none for {missing}")

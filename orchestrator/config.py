@@ -31,7 +31,7 @@ from orchestrator.algorithms import (  # noqa: F401 - re-exported: the algorithm
     RewardCondition,
     RLOOConfig,
 )
-from orchestrator.cai_config import CAISection
+from orchestrator.cai_config import CAISection, check_judge_reward
 from orchestrator.env_config import EnvConfig
 from orchestrator.lora_config import LoraSection, check_lora
 from orchestrator.search.config import PRMSection, SearchSection
@@ -478,25 +478,7 @@ class FleetConfig(Section):
 
     @model_validator(mode="after")
     def _check_judge(self) -> FleetConfig:
-        if self.judge_spec is None:
-            return self
-        from rewards.judge import NAME
-
-        if sum(f.name == NAME for f in self.reward.functions) > 1:
-            raise ValueError("reward.functions: judge is listed more than once; give it once")
-        if self.cai.judge == "policy" and self.data.prompt_format == "raw":
-            raise ValueError("reward.functions: judge with cai.judge: policy asks the policy chat questions; "
-                             "data.prompt_format raw has none (use auto or chat, or cai.judge: model)")
-        if self.cai.judge == "rule":
-            raise ValueError("reward.functions: judge needs cai.judge: policy or model (a rule is a reward "
-                             "function of its own: use `constitution`)")
-        from rewards.constitution import load_constitution
-
-        constitution = load_constitution(self.cai.principles)
-        missing = [p.name for p in constitution.principles if not p.rubric]
-        if missing:
-            raise ValueError(f"reward.functions: judge asks each principle's rubric question; cai.principles "
-                             f"{self.cai.principles or '(default)'} has none for {missing}")
+        check_judge_reward(self.reward.functions, self.cai, self.data.prompt_format)
         return self
 
     @property
