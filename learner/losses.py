@@ -203,6 +203,12 @@ def prm_loss(logp: Tensor, targets: Tensor, mask: Tensor, scale: LossScale) -> t
                   "actor/loss": loss.detach()}
 
 
+def tag_log_odds(logp: Tensor) -> Tensor:
+    """``log p - log(1 - p)`` from ``logp = log p`` (a tag's score in the outcome layout), accurate for p near 1."""
+    lp = logp.clamp(max=-1e-6)
+    return lp - torch.log(-torch.expm1(lp))
+
+
 @register_loss("bradley_terry")
 def bradley_terry_loss(logp: Tensor, mask: Tensor, scale: LossScale,
                        targets: Tensor | None = None) -> tuple[Tensor, dict]:
@@ -216,8 +222,7 @@ def bradley_terry_loss(logp: Tensor, mask: Tensor, scale: LossScale,
     if logp.shape[0] % 2:
         raise ValueError(f"bradley_terry_loss needs (chosen, rejected) row pairs, got {logp.shape[0]} rows")
     m = mask.to(logp.dtype)
-    lp = logp.clamp(max=-1e-6)
-    score = ((lp - torch.log(-torch.expm1(lp))) * m).sum(-1).view(-1, 2)
+    score = (tag_log_odds(logp) * m).sum(-1).view(-1, 2)
     real = (m.sum(-1) > 0).view(-1, 2).all(-1).to(logp.dtype)
     z = score[:, 0] - score[:, 1]
     q = torch.ones_like(z) if targets is None else \

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -44,15 +45,21 @@ class CAISection(Section):
 
 
 def check_judge_reward(functions: list, cai: CAISection, prompt_format: str) -> None:
-    """The checks of a `judge` entry in `reward.functions` that need the rest of the config: listed once, a judge
-    that reads chat questions, and a rubric question for every principle."""
-    from rewards.judge import NAME
+    """The checks of a `judge` entry in `reward.functions`: listed once, known params, a judge that reads chat
+    questions, and a rubric question for every principle."""
+    from rewards.judge import NAME, PARAMS
 
-    count = sum(f.name == NAME for f in functions)
-    if not count:
+    judges = [f for f in functions if f.name == NAME]
+    if not judges:
         return
-    if count > 1:
+    if len(judges) > 1:
         raise ValueError("reward.functions: judge is listed more than once; give it once")
+    bad = sorted(set(judges[0].params) - set(PARAMS))
+    if bad:
+        raise ValueError(f"reward function judge: unknown params {bad}; allowed: {sorted(PARAMS)}")
+    value = judges[0].params.get("on_error", 0.0)
+    if isinstance(value, bool | str) or not math.isfinite(value):
+        raise ValueError(f"reward function judge: params.on_error must be a finite number, got {value!r}")
     if cai.judge == "policy" and prompt_format == "raw":
         raise ValueError("reward.functions: judge with cai.judge: policy asks the policy chat questions; "
                          "data.prompt_format raw has none (use auto or chat, or cai.judge: model)")

@@ -33,8 +33,8 @@ log = logging.getLogger("fleetrl")
 
 NAME = "judge"
 """The reward-function name that selects the judge (not a registered pure function: it needs engines)."""
-PARAMS = {"on_error": float}
-"""The judge's ``params`` keys and their types."""
+PARAMS = ("on_error",)
+"""The judge's ``params`` keys (``on_error``: a finite number)."""
 
 
 def applicable(constitution: Constitution, metadata: dict) -> list[Principle]:

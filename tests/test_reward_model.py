@@ -101,7 +101,7 @@ def test_bradley_terry_reward_model_from_pairs_served_by_the_orm_actor(tmp_path)
     (what the `orm-i` actors run) loads and that ranks the held-out pairs as the learner's last eval did."""
     import random
 
-    from orchestrator.recipes.preference_model import is_held_out
+    from orchestrator.recipes.prm import held_out
     from rewards.prm import PRMWorker
     from rewards.tasks import make_task
 
@@ -124,7 +124,7 @@ def test_bradley_terry_reward_model_from_pairs_served_by_the_orm_actor(tmp_path)
     assert sum("rm/loss" in m for m in metrics) == 16
     final = run_dir / "final"
     assert json.loads((final / "fleetrl_prm.json").read_text())["target"] == "preference"
-    held = [r for r in rows if is_held_out(r, 0.2)]
+    held = [r for r in rows if held_out(r, 0.2)]
     served = PRMWorker(str(final), batch_size=16).score([(r["prompt"], [side]) for r in held
                                                          for side in (r["chosen"], r["rejected"])])
     ranked = sum(served[2 * i][-1] > served[2 * i + 1][-1] for i in range(len(held))) / len(held)

@@ -15,9 +15,17 @@ import time
 import torch
 
 from learner.algorithms import preference_pairs
-from orchestrator.config import ConfigError, FleetConfig
+from orchestrator.config import FleetConfig
 from orchestrator.metrics import PhaseTimer
-from orchestrator.recipes.data import Example, ExampleRenderer, draw, examples_batch, load_pairs, sample_example
+from orchestrator.recipes.data import (
+    Example,
+    ExampleRenderer,
+    check_row_pairs,
+    draw,
+    examples_batch,
+    load_pairs,
+    sample_example,
+)
 from orchestrator.recipes.sft import LazyPush
 from orchestrator.trainer import Trainer, learner_metrics
 
@@ -27,10 +35,7 @@ log = logging.getLogger("fleetrl")
 class DPOTrainer(LazyPush, Trainer):
     def __init__(self, cfg: FleetConfig, resume: str | None = None, console=None):
         super().__init__(cfg, resume, console)
-        if cfg.sequences_per_step % 2 or (cfg.sequences_per_step // cfg.learner.num_ranks) % 2:
-            raise ConfigError(f"algorithm.name=dpo trains row pairs: data.prompts_per_step * rollout.group_size "
-                             f"({cfg.sequences_per_step}) must give each of learner.num_ranks="
-                             f"{cfg.learner.num_ranks} ranks an even number of rows")
+        check_row_pairs(cfg)
         self.pairs: list[tuple[Example, Example]] = []
         self.preferences: list[float] = []  # each offline pair's soft label, P(chosen is better)
         if cfg.algorithm.pairs:

@@ -13,15 +13,14 @@ better response first.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import zlib
 
+from learner.losses import tag_log_odds
 from orchestrator.config import FleetConfig
 from orchestrator.metrics import PhaseTimer
-from orchestrator.recipes.data import draw, load_pairs
-from orchestrator.recipes.prm import PRMExample, prm_batch
+from orchestrator.recipes.data import check_row_pairs, draw, load_pairs
+from orchestrator.recipes.prm import PRMExample, held_out, prm_batch
 from orchestrator.steps import step_separator
 from orchestrator.trainer import Trainer, learner_metrics
 from rewards.prm import encode, split_steps, tag_id, write_meta
@@ -37,11 +36,6 @@ def response_text(response) -> str:
     return "".join(m["content"] for m in response if m.get("role") == "assistant")
 
 
-def is_held_out(row: dict, fraction: float) -> bool:
-    """Whether a pair's prompt is in the held-out share (a stable hash of the prompt)."""
-    return zlib.crc32(json.dumps(row["prompt"], sort_keys=True).encode()) % 1000 < fraction * 1000
-
-
 class RewardModelTrainer(Trainer):
     """The Trainer's loop with a Bradley-Terry step over ``algorithm.pairs`` (see the module)."""
 
@@ -53,15 +47,12 @@ class RewardModelTrainer(Trainer):
                               "prompt/chosen/rejected rows (`fleetrl cai prefer` writes one)")
         rows = load_pairs(cfg.algorithm.pairs)
         super().__init__(cfg, resume, console)
-        if cfg.sequences_per_step % 2 or (cfg.sequences_per_step // cfg.learner.num_ranks) % 2:
-            raise ConfigError(f"algorithm.name=reward_model trains row pairs: data.prompts_per_step * "
-                              f"rollout.group_size ({cfg.sequences_per_step}) must give each of learner.num_ranks="
-                              f"{cfg.learner.num_ranks} ranks an even number of rows")
+        check_row_pairs(cfg)
         self.tag, self.sep = tag_id(self.tokenizer, cfg.prm.tag), step_separator(cfg)
         self.renderer = PromptRenderer(self.tokenizer, cfg.data.prompt_format, cfg.data.system_prompt)
         fraction = cfg.algorithm.eval_fraction
-        self.train_rows = [r for r in rows if not is_held_out(r, fraction)]
-        self.held = [r for r in rows if is_held_out(r, fraction)]
+        self.train_rows = [r for r in rows if not held_out(r, fraction)]
+        self.held = [r for r in rows if held_out(r, fraction)]
         if not self.train_rows or not self.held:
             raise ConfigError(f"algorithm.pairs {cfg.algorithm.pairs}: {len(self.train_rows)} training and "
                               f"{len(self.held)} held-out pairs with algorithm.eval_fraction={fraction}; give more")
@@ -91,17 +82,12 @@ class RewardModelTrainer(Trainer):
 
     def held_out_margins(self) -> list[float]:
         """``r_chosen - r_rejected`` of every held-out pair under the current model."""
-        import math
-
         n, margins = self.cfg.sequences_per_step, []
         for i in range(0, len(self.held), n // 2):
             chunk = self.held[i: i + n // 2]
             rows = [e for r in chunk for e in self.pair(r)]
             batch = self.learner.compute_logprobs(prm_batch(rows, n, self.pad_id, rows_per_unit=2))
-            scores = []
-            for j, e in enumerate(rows):
-                lp = min(float(batch.old_logprobs[j, e.loss_mask.index(1)]), -1e-12)
-                scores.append(lp - math.log(-math.expm1(lp)))
+            scores = [float(tag_log_odds(batch.old_logprobs[j, e.loss_mask.index(1)])) for j, e in enumerate(rows)]
             margins += [scores[2 * k] - scores[2 * k + 1] for k in range(len(chunk))]
         return margins
 

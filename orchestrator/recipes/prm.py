@@ -136,8 +136,10 @@ def load_labels(path: str | Path) -> list[dict]:
 
 
 def held_out(row: dict, fraction: float) -> bool:
-    """Whether a row's prompt is in the held-out share (a stable hash of the prompt text)."""
-    return zlib.crc32(row["prompt"].encode()) % 1000 < fraction * 1000
+    """Whether a row's prompt is in the held-out share (a stable hash of the prompt: its text, or its chat
+    messages as JSON)."""
+    prompt = row["prompt"] if isinstance(row["prompt"], str) else json.dumps(row["prompt"], sort_keys=True)
+    return zlib.crc32(prompt.encode()) % 1000 < fraction * 1000
 
 
 def step_targets(row: dict, target: str) -> list[float | None]:
