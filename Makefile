@@ -9,7 +9,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup train test test-fast lint model smollm2 docs clean bench bench-quick
+.PHONY: setup train test test-fast coverage lint model smollm2 docs clean bench bench-quick
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,17 @@ test: setup lint
 # the unit tier: no Ray cluster, no engines (about 1.5 min on 2 cores); CI runs the whole `make test`
 test-fast: setup lint
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not e2e" tests
+
+# the whole suite with line coverage of orchestrator/, workers/, learner/ and rewards/ in every process it starts
+# (CLI subprocesses, Ray actors: tests/coverage_hook.py); slower than `make test`. Report: coverage-report.txt
+COVERAGE_PTH = $$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/fleetrl_coverage.pth
+coverage: setup lint
+	rm -f .coverage .coverage.*
+	echo 'import os; exec(open(os.environ["FLEETRL_COVERAGE_HOOK"]).read(), {"__name__": "fleetrl_coverage_hook"}) if os.environ.get("FLEETRL_COVERAGE_HOOK") else None' > $(COVERAGE_PTH)
+	COVERAGE_PROCESS_START=$(CURDIR)/pyproject.toml COVERAGE_FILE=$(CURDIR)/.coverage \
+	FLEETRL_COVERAGE_HOOK=$(CURDIR)/tests/coverage_hook.py $(PY) -m pytest -q -p no:cacheprovider --durations=15 tests; \
+	status=$$?; $(PY) -m coverage combine -q && $(PY) -m coverage report > coverage-report.txt; \
+	tail -1 coverage-report.txt; exit $$status
 
 docs: setup
 	$(PY) -m tests.test_docs

@@ -18,7 +18,7 @@ from learner.batch import TrainBatch
 from learner.forward import HiddenStatesLM, critic_values, policy_logprobs
 from learner.packing import Layout, filler, micro_batches
 from workers.actor_logs import LoggedActor, peak_rss_mb
-from workers.imports import pin_build_tools, skip_unused_imports
+from workers.imports import skip_unused_comm_op, skip_unused_imports
 
 
 def _set_dist_env(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
@@ -49,10 +49,11 @@ class LearnerWorker(LoggedActor):
         if not on_gpu:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         _set_dist_env(rank, world_size, master_addr, master_port)
-        pin_build_tools()  # the same ninja whoever launched the run: the comm op is built once, not again and again
         import deepspeed
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+        if not on_gpu:
+            skip_unused_comm_op()
         deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
         self.rank, self.world_size = rank, world_size
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")

@@ -260,7 +260,7 @@ def test_cai_prefer_with_a_bad_judge_exits_2_before_starting_anything(tmp_path, 
 TINY = """base:
   model: {path: %s}
   data: {task: constitution, prompt_format: chat, prompts_per_step: 2, eval_size: 4, max_prompt_tokens: 512}
-  rollout: {num_workers: 1, group_size: 2, max_new_tokens: 24, temperature: 1.0, dtype: float32, kv_cache_gib: 0.1}
+  rollout: {num_workers: 1, group_size: 2, max_new_tokens: 24, temperature: 1.0, dtype: float32, kv_cache_gib: 1.5}
   reward: {num_workers: 1, functions: [{name: constitution}]}
   learner: {num_ranks: 1, zero_stage: 0, lr: 1.0e-5, micro_batch_tokens: 1024}
   trainer: {total_steps: 1, eval_every: 1}
@@ -283,7 +283,8 @@ def test_sl_cai_then_rl_cai_in_a_pipeline_and_the_judges_probabilities_are_the_m
     transformers (fp32, < 1e-4; the labels are 0.50-0.53 here, so a misread position fails), for the pairs'
     labels and for every judged sample's reward. The 64 critique turns are one seeded call whose new prompt
     tokens pass the engine's 4096-token step budget: vLLM's CPU runner crashed on a seeded prefill split across
-    steps."""
+    steps. The KV cache (1.5 GiB) holds all 64 at once: with 0.1 GiB it held 3-4, no step came near the budget,
+    and this test passed with whole-prompt prefill turned off; now it fails so (seen)."""
     from tests.test_pipeline import _env
 
     run_dir = tmp_path / "cai"

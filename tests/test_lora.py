@@ -72,6 +72,15 @@ def test_only_adapters_train_and_the_reference_is_the_base(worker):
     assert (second["old_logprobs"] - first["old_logprobs"]).abs().max() > 1e-4  # the policy did
 
 
+def test_a_learner_rank_builds_no_deepspeed_op(worker):
+    """The rank's DeepSpeed comm backend runs without the CPU shared-memory all-reduce op, whose JIT build a fresh
+    machine would pay (94 s on 2 cores) for inference-only collectives: gloo carries ZeRO's."""
+    import deepspeed
+
+    assert deepspeed.comm.comm.cdb.shm_comm_op is None
+    assert deepspeed.comm.get_world_size() == 1 and deepspeed.comm.comm.cdb.name == "torch"
+
+
 def test_push_sends_merged_adapted_weights_under_base_names(worker, model_dir):
     """The push's tensors are the adapted layers' weights under the base model's names, equal to W + s*B*A, and
     nothing else (untouched tensors are not resent)."""

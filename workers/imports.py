@@ -1,4 +1,5 @@
-"""Start-up cost of optional modules that libraries import only because they are installed.
+"""Start-up cost of optional modules that libraries import only because they are installed, and of a DeepSpeed op
+fleetrl never calls.
 
 transformers imports scikit-learn (for assisted generation) as soon as a tokenizer or model class is imported, and
 DeepSpeed imports MLflow (for its autotuner): about 2.5 s and 2.6 s of every process's start-up on 2 cores (AMD
@@ -9,7 +10,6 @@ which both libraries take as "not installed".
 
 from __future__ import annotations
 
-import os
 import sys
 
 UNUSED_IN_MODEL_ACTORS = ("sklearn", "mlflow")
@@ -33,14 +33,13 @@ def import_transformers() -> None:
         del sys.modules["sklearn"]
 
 
-def pin_build_tools() -> None:
-    """Put this interpreter's bin directory first on PATH, so the ninja that torch's JIT build runs is the venv's.
+def skip_unused_comm_op() -> None:
+    """Keep DeepSpeed from compiling its CPU shared-memory all-reduce op (``deepspeed_shm_comm``) when its comm
+    backend starts. On a fresh machine that JIT build took 94 s (2 cores, AMD EPYC AVX2), paid by a new user's
+    first run and by every clean-clone CI run; later ranks load the cached build. The op serves only DeepSpeed's
+    inference/tensor-parallel all-reduce (``inference_all_reduce``); ZeRO's collectives go through
+    torch.distributed (gloo here). DeepSpeed skips an op its probe marks incompatible. Call after importing
+    deepspeed, before ``deepspeed.init_distributed``, on CPU."""
+    import deepspeed.ops
 
-    DeepSpeed compiles its CPU comm op on first use (about 60 s on 2 cores) and ninja decides whether the cached
-    build is current. The venv's ninja (1.13, a DeepSpeed dependency) and a system one (1.11 here) hash the build
-    commands differently, so runs launched with the venv's bin on PATH and runs without it rebuilt the op each
-    time they alternated (16 rebuilds in one day on this machine). Call before importing deepspeed."""
-    bin_dir = os.path.dirname(sys.executable)
-    if os.path.exists(os.path.join(bin_dir, "ninja")):
-        parts = os.environ.get("PATH", "").split(os.pathsep)
-        os.environ["PATH"] = os.pathsep.join([bin_dir, *(p for p in parts if p != bin_dir)])
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
