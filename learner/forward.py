@@ -1,7 +1,8 @@
 """Forward passes of the learner's models over a :class:`TrainBatch` micro-batch, as plain functions of the module
 (so tests run them without DeepSpeed): the policy's response-token logprobs and entropy, the critic's values.
 
-Every result is in the batch's ``[b, T]`` per-token layout, zero where ``response_mask`` is 0. Imports only torch.
+Every result is in the batch's ``[b, T]`` per-token layout, zero where ``response_mask`` is 0. Imports only torch
+(and DeepSpeed for a ZeRO-3 partitioned LM head).
 """
 
 from __future__ import annotations
@@ -45,6 +46,29 @@ class HiddenStatesLM(torch.nn.Module):
         return self.lm.get_output_embeddings()
 
 
+def head_function(head: torch.nn.Module):
+    """The LM head as a function of hidden states, for heads called outside the engine's forward.
+
+    Under ZeRO-3 the head's weight (on tied models the input embedding) is a partition that DeepSpeed's module
+    hooks gather for each call of the head and release after it, also when a chunk's activation checkpoint
+    recomputes the head inside backward: the release then comes before backward reads the recomputed matmul's
+    saved weight, which for a frozen weight (a LoRA base) is the parameter itself, by then an empty tensor. Here
+    the weights are gathered once and the head reads aliases of the full tensors, which keep them alive for the
+    chunks' backward after the parameters are partitioned again; gradients still reach the parameters through the
+    aliases (a tied head's reaches the embedding). Without ZeRO-3 this is the head itself."""
+    params = list(head.parameters())
+    if not any(hasattr(p, "ds_id") for p in params):
+        return head
+    import deepspeed
+
+    if not isinstance(head, torch.nn.Linear):
+        raise TypeError(f"ZeRO-3: the chunked LM head must be a torch.nn.Linear, got {type(head).__name__}")
+    with deepspeed.zero.GatheredParameters(params):
+        weight = head.weight.view_as(head.weight)
+        bias = None if head.bias is None else head.bias.view_as(head.bias)
+    return lambda hidden: torch.nn.functional.linear(hidden, weight, bias)
+
+
 def policy_logprobs(model, mb: TrainBatch, layout: Layout, temperature: float = 1.0, with_entropy: bool = True,
                     device: torch.device | None = None, dtype: torch.dtype | None = None
                     ) -> tuple[Tensor, Tensor | None]:
@@ -54,7 +78,7 @@ def policy_logprobs(model, mb: TrainBatch, layout: Layout, temperature: float = 
     (:mod:`learner.logprobs`). ``layout.chunk_tokens == 0`` is the naive reference path: padded layout, logits over
     every position of the micro-batch and a full log-softmax (entropy always)."""
     device = device or torch.device("cpu")
-    head = getattr(model, "module", model).head
+    head = head_function(getattr(model, "module", model).head)
     mask = mb.response_mask.to(device)
     if not layout.chunk_tokens:
         x = padded_input(mb)

@@ -476,7 +476,7 @@ class FleetConfig(Section):
 
     @model_validator(mode="after")
     def _check_lora(self) -> FleetConfig:
-        check_lora(self.learner.lora, self.model.path, self.learner.zero_stage)
+        check_lora(self.learner.lora, self.model.path)
         return self
 
     @property

@@ -78,13 +78,10 @@ def engine_max_rank(rank: int) -> int:
     return next((r for r in VLLM_MAX_LORA_RANKS if r >= rank), VLLM_MAX_LORA_RANKS[-1])
 
 
-def check_lora(lora: LoraSection, model_path: str, zero_stage: int) -> None:
-    """The checks that need the rest of the config: the ZeRO stage, and target modules the model really has."""
+def check_lora(lora: LoraSection, model_path: str) -> None:
+    """The check that needs the rest of the config: target modules the model really has."""
     if not lora.enabled:
         return
-    if zero_stage == 3:
-        raise ValueError("learner.lora.rank > 0 needs learner.zero_stage 0, 1 or 2 (got 3): under ZeRO-3 the frozen "
-                         "base's tied output embedding is released before the chunked LM head's backward")
     missing = missing_targets(model_path, lora.target_modules)
     if missing:
         raise ValueError(f"learner.lora.target_modules: {missing} match no module of {model_path}; give module "
