@@ -261,12 +261,15 @@ def test_cli_bad_lora_rank_exits_2_without_traceback(tmp_path):
 
 @pytest.mark.e2e
 def test_merged_push_reaches_the_engines_every_step(tmp_path):
-    """Only this test guards the merged push on vLLM: the engine reloads the adapted blocks alone (embeddings and
-    norms not resent, q/k/v and gate/up fused by vLLM) and then samples exactly what the learner computes."""
+    """Only this test guards the merged push on vLLM, and LoRA under ZeRO-3 on the real stack (2 ranks, the
+    adapted blocks gathered for the push, the chunked head's gathered weight): the engine reloads the adapted
+    blocks alone (embeddings and norms not resent, q/k/v and gate/up fused by vLLM) and then samples exactly what
+    the learner computes."""
     from safetensors import safe_open
 
     rows = run_fleetrl(tmp_path / "run", "trainer.total_steps=2", "trainer.eval_every=0", "rollout.num_workers=1",
-                       "learner.num_ranks=1", "learner.lora.rank=8", "learner.lr=3e-3", "learner.log_kl=true")
+                       "learner.num_ranks=2", "learner.zero_stage=3", "learner.lora.rank=8", "learner.lr=3e-3",
+                       "learner.log_kl=true")
     pushes = [r for r in rows if "weight_sync/logprob_max_diff" in r]
     assert len(pushes) == 2 and all(r["weight_sync/logprob_max_diff"] < 1e-3 for r in pushes)
     assert rows[1]["kl"] > 0  # the policy moved away from the reference (the base, adapters off)
