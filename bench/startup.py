@@ -4,11 +4,13 @@ after a change, side by side on this machine.
     python -m bench.startup                       # this checkout, 3 runs of each config
     python -m bench.startup --before a7e41a6      # the same runs of an older commit (a git worktree) first
     python -m bench.startup --profile             # where the start-up goes (this checkout, default config)
+    python -m bench.startup --fresh --before X    # as on a fresh machine: no JIT-built op cached from earlier runs
 
 Each run is `fleetrl train -c CONFIG trainer.total_steps=1` in its own process with a private local Ray
 instance, timed from outside the same way for any commit: launch -> the banner (printed once every actor is
-up) -> the first training step's row in metrics.jsonl -> exit. Medians over the runs. ``--profile`` times the
-driver's phases in-process and reads every actor's CPU seconds when all are ready.
+up) -> the first training step's row in metrics.jsonl -> exit. Medians over the runs. ``--fresh`` gives each run
+an empty torch extensions cache (``TORCH_EXTENSIONS_DIR``), as a new user's first run and a clean CI machine have.
+``--profile`` times the driver's phases in-process and reads every actor's CPU seconds when all are ready.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ CASES = {
 }
 
 
-def timed_run(code: Path, config: str, overrides: list[str], run_dir: Path) -> dict:
+def timed_run(code: Path, config: str, overrides: list[str], run_dir: Path, fresh: bool = False) -> dict:
     """One `fleetrl train` of ``code`` (a checkout): seconds from launch to the banner, the first step, exit."""
     shutil.rmtree(run_dir, ignore_errors=True)
     env = dict(os.environ, **SUBPROCESS_ENV, PYTHONPATH=str(code))
+    if fresh:
+        env["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="fleetrl-fresh-ext-")
     env.pop("RAY_ADDRESS", None)
     cmd = [PY, "-m", "orchestrator", "train", "-c", config, f"run.dir={run_dir}", "trainer.total_steps=1",
            *overrides]
@@ -73,13 +77,14 @@ def checkout(rev: str) -> Path:
     return path
 
 
-def measure(label: str, code: Path, cases: list[str], repeats: int) -> dict:
+def measure(label: str, code: Path, cases: list[str], repeats: int, fresh: bool = False) -> dict:
     out = {}
     for case in cases:
         config, overrides = CASES[case]
         runs = []
         for i in range(repeats):
-            runs.append(timed_run(code, config, overrides, (RUNS_DIR / f"startup-{label}-{case}-{i}").resolve()))
+            runs.append(timed_run(code, config, overrides, (RUNS_DIR / f"startup-{label}-{case}-{i}").resolve(),
+                                  fresh))
             print(f"{label:>8} {case:>8} run {i}: {runs[-1]}", flush=True)
         out[case] = {"runs": runs, **{k: statistics.median(r[k] for r in runs)
                                       for k in ("actors_up_s", "first_step_s", "exit_s")}}
@@ -142,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.add_argument("--repeats", type=int, default=3)
         ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
         ap.add_argument("--profile", action="store_true", help="only the phase breakdown of this checkout")
+        ap.add_argument("--fresh", action="store_true", help="each run with an empty torch extensions cache")
         ap.add_argument("--name", default="startup", help="the result file: bench/results/NAME.json")
 
     args = parse_args(__doc__, argv, extra)
@@ -151,10 +157,11 @@ def main(argv: list[str] | None = None) -> None:
         save_result("startup_profile", args.quick, result)
         return
     cases, repeats = args.cases.split(","), 1 if args.quick else args.repeats
-    result = {"repeats": repeats}
+    result = {"repeats": repeats, "fresh": args.fresh}
     if args.before:
-        result["before"] = {"commit": args.before, **measure("before", checkout(args.before), cases, repeats)}
-    result["after"] = measure("after", ROOT, cases, repeats)
+        result["before"] = {"commit": args.before,
+                            **measure("before", checkout(args.before), cases, repeats, args.fresh)}
+    result["after"] = measure("after", ROOT, cases, repeats, args.fresh)
     for case in cases:
         line = [f"{case:>8}"] + [f"{side}: up {result[side][case]['actors_up_s']} s, first step "
                                  f"{result[side][case]['first_step_s']} s" for side in ("before", "after")
