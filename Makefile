@@ -46,7 +46,7 @@ test-fast: setup lint
 
 # the whole suite with line coverage of orchestrator/, workers/, learner/ and rewards/ in every process it starts
 # (CLI subprocesses, Ray actors: tests/coverage_hook.py); slower than `make test`. Report: coverage-report.txt
-COVERAGE_PTH = $$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/fleetrl_coverage.pth
+COVERAGE_PTH = "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/fleetrl_coverage.pth"
 coverage: setup lint
 	rm -f .coverage .coverage.*
 	echo 'import os; exec(open(os.environ["FLEETRL_COVERAGE_HOOK"]).read(), {"__name__": "fleetrl_coverage_hook"}) if os.environ.get("FLEETRL_COVERAGE_HOOK") else None' > $(COVERAGE_PTH)

@@ -52,12 +52,13 @@ def head_function(head: torch.nn.Module):
     Under ZeRO-3 the head's weight (on tied models the input embedding) is a partition that DeepSpeed's module
     hooks gather for each call of the head and release after it, also when a chunk's activation checkpoint
     recomputes the head inside backward: the release then comes before backward reads the recomputed matmul's
-    saved weight, which for a frozen weight (a LoRA base) is the parameter itself, by then an empty tensor. Here
-    the weights are gathered once and the head reads aliases of the full tensors, which keep them alive for the
-    chunks' backward after the parameters are partitioned again; gradients still reach the parameters through the
-    aliases (a tied head's reaches the embedding). Without ZeRO-3 this is the head itself."""
+    saved weight, which for a frozen weight (a LoRA base) is the parameter itself, by then an empty tensor. For a
+    frozen head the weights are gathered once here and the head reads aliases of the full tensors, which keep them
+    alive for the chunks' backward after the parameters are partitioned again. A trainable head is the head itself:
+    autograd saves a detached alias of its gathered weight, and its gradient must land on a gathered parameter
+    (an untied head's would meet an empty one after an alias). Without ZeRO-3 this is the head itself too."""
     params = list(head.parameters())
-    if not any(hasattr(p, "ds_id") for p in params):
+    if not any(hasattr(p, "ds_id") for p in params) or any(p.requires_grad for p in params):
         return head
     import deepspeed
 

@@ -50,6 +50,15 @@ def _start() -> None:
     cov = coverage.process_startup()
     if cov is None:  # already running in this process
         return
+    # one save at a time: coverage's own exit handlers (atexit, SIGTERM, os._exit) call cov.save() too, and two
+    # concurrent writes of one data file can fail or lose the last data
+    lock, save = threading.Lock(), cov.save
+
+    def locked_save() -> None:
+        with lock:
+            save()
+
+    cov.save = locked_save
     if sys.argv and sys.argv[0].endswith("default_worker.py"):
         _trace_ray_threads(cov._collector)
     threading.Thread(target=_save_now_and_then, args=(cov,), name="coverage-save", daemon=True).start()

@@ -191,18 +191,21 @@ def process_group():
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("lora", [LORA, None], ids=["lora", "full"])
-def test_zero3_trains_as_zero2(model_dir, process_group, lora):
-    """Under ZeRO-3 the LM head's weight (the tied input embedding, frozen with LoRA) is partitioned, and the
-    chunked head runs outside the engine's forward, its chunks recomputed in backward
+@pytest.mark.parametrize("lora,untied", [(LORA, False), (None, False), (None, True)],
+                         ids=["lora", "full", "full-untied"])
+def test_zero3_trains_as_zero2(model_dir, process_group, tmp_path, lora, untied):
+    """Under ZeRO-3 the LM head's weight (the tied input embedding, frozen with LoRA; or a head of its own) is
+    partitioned, and the chunked head runs outside the engine's forward, its chunks recomputed in backward
     (:func:`learner.forward.head_function`). One update on the same batch: with LoRA only the adapters move; the
-    reference equals the policy before it; the logprobs, gradient norm and update (the tied embedding's too, with
-    full weights) equal ZeRO-2's."""
+    reference equals the policy before it; the logprobs, gradient norm and update (the tied embedding's or the
+    untied head's too, with full weights) equal ZeRO-2's."""
     from bench.learner_overhead import make_batch
+    from tests.test_weight_sync import untied_copy
 
+    path = str(untied_copy(tmp_path)) if untied else model_dir
     runs = {}
     for stage in (2, 3):
-        w = _sgd_rank(model_dir, stage, lora)
+        w = _sgd_rank(path, stage, lora)
         batch = make_batch(w.hf_model.config.vocab_size, 8, 6)
         first = w.compute_logprobs(batch, 8)
         before = _full_snapshot(w.hf_model)
@@ -219,6 +222,8 @@ def test_zero3_trains_as_zero2(model_dir, process_group, lora):
         assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
         assert {id(p) for g in w.engine.optimizer.fp16_groups for p in g} == {id(p) for p in adapters}
         assert changed and changed <= trainable and any(".lora_B." in n for n in changed)
+    elif untied:
+        assert "lm_head.weight" in changed  # the untied head's own gradient landed on its gathered parameter
     else:
         assert "model.embed_tokens.weight" in changed  # the tied head's gradient reached the embedding
 
