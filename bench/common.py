@@ -43,7 +43,7 @@ def save_result(name: str, quick: bool, data: dict) -> Path:
     path = RESULTS_DIR / f"{name}{'-quick' if quick else ''}.json"
     wall = time.perf_counter() - STARTED
     meta = {"benchmark": name, "quick": quick, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": round(wall, 1),
-            "commit": _commit(), "cpu": cpu_name(),
+            "commit": commit_id(), "cpu": cpu_name(),
             "loadavg_1_5_15min": os.getloadavg(),  # > cpus at the end means other work shared the cores
             "cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
             "versions": _versions()}
@@ -52,7 +52,7 @@ def save_result(name: str, quick: bool, data: dict) -> Path:
     return path
 
 
-def _commit() -> str:
+def commit_id() -> str:
     """The checkout's commit, ``+dirty`` when tracked files differ from it (the numbers are then of no commit)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()

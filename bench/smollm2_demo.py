@@ -2,12 +2,14 @@
 outside evaluator (:mod:`bench.outside_eval`: transformers ``generate``, greedy, plain integer rules) on the base
 model and on the run's final policy.
 
-    python -m bench.smollm2_demo [--train] [--run runs/smollm2_arith] [--rescore]
+    python -m bench.smollm2_demo [--train] [--config configs/smollm2_arith.yaml] [--run DIR] [--rescore]
+    python -m bench.smollm2_demo --train --config configs/smollm2_arith_lora.yaml   # the LoRA demo, same budget
 
-``--train`` first runs ``fleetrl train -c configs/smollm2_arith.yaml`` (about 45 minutes on 2 cores); without it
-the run directory must hold a finished run. Writes ``bench/results/smollm2_demo.json`` (the eval curve, the step
-times, both evaluators' accuracies and a sample of what the model writes before and after), from which
-docs/BENCHMARKS.md's table is generated (``python -m bench.tables``).
+``--train`` first runs ``fleetrl train -c CONFIG`` (about 45 minutes on 2 cores); without it the run directory
+(default: ``runs/<config name>``) must hold a finished run. Writes ``bench/results/smollm2_demo.json`` (for
+``configs/smollm2_arith_lora.yaml``: ``smollm2_demo_lora.json``; the eval curve, the step times, both evaluators'
+accuracies and a sample of what the model writes before and after), from which docs/BENCHMARKS.md's tables are
+generated (``python -m bench.tables``; the LoRA file's beside the full fine-tuning run's, at equal wall-clock).
 """
 
 from __future__ import annotations
@@ -46,11 +48,13 @@ def samples(path: Path, n: int = 5) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(__doc__, argv, lambda ap: (
-        ap.add_argument("--train", action="store_true"), ap.add_argument("--run", default="runs/smollm2_arith"),
+        ap.add_argument("--train", action="store_true"), ap.add_argument("--config", default=CONFIG),
+        ap.add_argument("--run", help="the run directory (default runs/<config name>)"),
         ap.add_argument("--rescore", action="store_true", help="score the saved outside replies again")))
-    run = Path(args.run)
+    config = Path(args.config)
+    run = Path(args.run or f"runs/{config.stem}")
     if args.train:
-        subprocess.run([PY, "-m", "orchestrator", "train", "-c", CONFIG, f"run.dir={run}"], check=True,
+        subprocess.run([PY, "-m", "orchestrator", "train", "-c", str(config), f"run.dir={run}"], check=True,
                        env={**__import__("os").environ, **SUBPROCESS_ENV})
     summary = json.loads((run / "summary.json").read_text())
     evals, steps = curve(run)
@@ -58,10 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, model in (("base", []), ("final", ["--model", str(run / "final")])):
         out = run / f"outside_{name}.jsonl"
         again = ["--rescore", str(out)] if args.rescore and out.exists() else []
-        outside[name] = outside_eval(["-c", CONFIG, *model, "--out", str(out), *again])
+        outside[name] = outside_eval(["-c", str(config), *model, "--out", str(out), *again])
     eval_files = sorted((run / "evals").glob("step_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
-    save_result("smollm2_demo", args.quick, {
-        "config": CONFIG, "run": str(run), "summary": summary, "evals": evals,
+    save_result("smollm2_demo" + config.stem.removeprefix("smollm2_arith"), args.quick, {
+        "config": str(config), "run": str(run), "summary": summary, "evals": evals,
         "median_step_s": statistics.median(s["time/step_s"] for s in steps), "steps": steps,
         "outside": outside,
         "samples": {"first_eval": samples(eval_files[0]), "last_eval": samples(eval_files[-1])}})

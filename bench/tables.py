@@ -73,6 +73,40 @@ def smollm2_demo(result: dict) -> str:
             f"{both}\n")
 
 
+def _at_minute(evals: list[dict], minutes: float) -> dict | None:
+    """The last eval of a curve at or before ``minutes`` of training + evals."""
+    done = [e for e in evals if e["minutes"] <= minutes]
+    return done[-1] if done else None
+
+
+def lora_accuracy(result: dict) -> str:
+    """docs section 11: the LoRA demo's held-out accuracy against wall-clock minutes, beside the full fine-tuning
+    demo's (``smollm2_demo.json``), and both evaluators on both final policies."""
+    full = json.loads((RESULTS_DIR / "smollm2_demo.json").read_text())
+    n = result["outside"]["final"]["n"]
+    marks = sorted({0.0, *(m for m in (10, 20, 30, 40) if m < full["evals"][-1]["minutes"]),
+                    min(full["evals"][-1]["minutes"], result["evals"][-1]["minutes"])})
+    rows = []
+    for m in marks:
+        f, lo = _at_minute(full["evals"], m), _at_minute(result["evals"], m)
+        rows.append([m, *(f"{e['eval_accuracy']:.3f} (step {e['step']})" for e in (f, lo)),
+                     f"{lo['eval_accuracy'] - f['eval_accuracy']:+.3f}"])
+    curve = markdown_table(["minutes (training + evals)", "full fine-tuning: last eval by then",
+                            "LoRA: last eval by then", "LoRA - full"], rows)
+    rules = ("last_int", "single")
+    both = markdown_table(
+        ["policy", "steps", "minutes", "median s/step", "fleetrl eval (vLLM)", "outside: last integer (HF generate)",
+         "outside: one number after the last '=', 'equals' or 'is'"],
+        [["base", 0, 0, "", f"{result['evals'][0]['eval_accuracy']:.3f}",
+          *(f"{result['outside']['base'][r]['accuracy']:.3f}" for r in rules)]] +
+        [[name, r["summary"]["steps"], r["evals"][-1]["minutes"], round(r["median_step_s"], 1),
+          f"{r['evals'][-1]['eval_accuracy']:.3f}",
+          *(f"{r['outside']['final'][rule]['accuracy']:.3f}" for rule in rules)]
+         for name, r in ((f"full fine-tuning (`{full['config']}`)", full), (f"LoRA (`{result['config']}`)", result))])
+    return (f"LoRA: {provenance(result['meta'])} Full fine-tuning: {provenance(full['meta'])} {n} held-out "
+            f"prompts, greedy; the binomial standard error is 0.03-0.035 at these accuracies.\n\n{curve}\n\n{both}\n")
+
+
 def startup(result: dict) -> str:
     """docs section 9: launch -> actors up and -> first step, before and after a change (medians)."""
     before, after = result.get("before", {}), result["after"]
@@ -142,7 +176,7 @@ def lora(result: dict) -> str:
     """docs section 11: LoRA ranks against full fine-tuning on SmolLM2 (learner time, memory, push)."""
     from bench.lora import table
 
-    headers, rows = table(result["variants"])
+    headers, rows = table(result["variants"], result["meta"].get("commit", ""))
     return (f"{provenance(result['meta'])} `{result['config']}`, {result['steps']} steps per run, the first "
             f"dropped, medians.\n\n{markdown_table(headers, rows)}\n")
 
@@ -167,6 +201,7 @@ TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "learner_overhead": ("learner_overhead.json", learner_overhead),
     "smollm2": ("smollm2.json", smollm2),
     "lora": ("lora.json", lora),
+    "lora_accuracy": ("smollm2_demo_lora.json", lora_accuracy),
     "readme_end_to_end": ("end_to_end.json", readme_end_to_end),
 }
 """Table name -> (result file in bench/results, renderer)."""

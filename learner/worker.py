@@ -282,12 +282,20 @@ class LearnerWorker(LoggedActor):
 
     def _gathered(self, bucket_mb: float, push: bool = True):
         """``(plan, full tensors)`` per weight bucket (:func:`workers.weight_buckets.gathered_buckets`), gathered
-        from ZeRO-3 shards where needed. Every rank must walk all of it (the gather is collective); only rank 0's
-        tensors are used."""
+        from ZeRO-3 shards where needed. Under ZeRO-3 every rank must walk all of it (the gather is collective);
+        only rank 0's tensors are used, and without ZeRO-3 the other ranks get nothing to walk."""
         from workers import weight_buckets as wb
 
+        if not self._walks_weights():
+            return iter(())
         specs, tensors, gather = self._weights(push)
         return wb.gathered_buckets(wb.plan_buckets(specs, int(bucket_mb * 2**20)), tensors, gather)
+
+    def _walks_weights(self) -> bool:
+        """Whether this rank walks the weights for a push or an export: rank 0, and under ZeRO-3 every rank (the
+        gathers are collective). With whole parameters the others would only compute, e.g. LoRA's merged weights,
+        for nothing, beside rank 0 on the same cores."""
+        return self.rank == 0 or self.zero_stage == 3
 
     def weight_buckets(self, bucket_mb: float) -> list:
         """Put the current weights into Ray's object store as packed buckets; rank 0 returns the ObjectRefs."""
@@ -322,6 +330,8 @@ class LearnerWorker(LoggedActor):
         """Every rank calls this (the ZeRO-3 gather is collective); rank 0 broadcasts each bucket."""
         from workers import nccl_sync
 
+        if not self._walks_weights():
+            return 0
         _, tensors, gather = self._weights()
         return nccl_sync.broadcast_weights(getattr(self, "_weight_comm", None) if self.rank == 0 else None, plans,
                                            tensors, gather)
@@ -382,11 +392,22 @@ def _disable_dropout(model) -> None:
 
 
 def _memory_metrics(role: str) -> dict:
-    """This rank's resident memory now and its peak so far, MB (``_max``: the group reports the largest rank)."""
+    """This rank's resident memory now and its peak so far, MB (``_max``: the group reports the largest rank), and
+    the shared-memory pages counted in it: on the rank that puts weight buckets into Ray's object store, the store's
+    pages it wrote (the store's memory, counted in this process's RSS too; the pool keeps the last push)."""
     import psutil
 
     return {f"memory/{role}_rss_mb_max": psutil.Process().memory_info().rss / 2**20,
-            f"memory/{role}_peak_rss_mb_max": peak_rss_mb()}
+            f"memory/{role}_peak_rss_mb_max": peak_rss_mb(), f"memory/{role}_shmem_mb_max": _shmem_mb()}
+
+
+def _shmem_mb() -> float:
+    """``RssShmem`` of this process, MB (0 where /proc has no such line)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) / 1024 for line in f if line.startswith("RssShmem:")), 0.0)
+    except OSError:
+        return 0.0
 
 
 def _load_checkpoints_weights_only(engine) -> None:

@@ -29,17 +29,23 @@ def model_dir(tmp_path_factory):
 def worker(model_dir):
     """One LoRA learner rank (world size 1, ZeRO-2, a KL reference) and the batch it trains on."""
     from bench.learner_overhead import make_batch
-    from learner.algorithms import loss_kwargs
-    from learner.worker import LearnerWorker, ds_config
-    from orchestrator.pools import _free_port, learner_layout
+    from learner.worker import ds_config
 
-    cfg = load_config(overrides=[f"model.path={model_dir}", "algorithm.name=grpo", "algorithm.kl_coef=0.01"])
-    dsc = ds_config(8, 1, 1, 2, 1e-2, (0.9, 0.999), 0.0, 0, 1.0, "float32")
-    w = LearnerWorker(0, 1, "127.0.0.1", _free_port(), model_dir, "float32", dsc, loss_kwargs(cfg.algorithm), 1.0,
-                      0, 1, reference=True, layout=learner_layout(cfg), lora=LORA)
+    w = _rank(model_dir, ds_config(8, 1, 1, 2, 1e-2, (0.9, 0.999), 0.0, 0, 1.0, "float32"), LORA)
     batch = make_batch(w.hf_model.config.vocab_size, 8, 6)
     yield w, batch
     torch.distributed.destroy_process_group()
+
+
+def _rank(model_dir: str, dsc: dict, lora: dict | None):
+    """A fresh learner rank (world size 1, seed 0, GRPO with a KL reference) under DeepSpeed config ``dsc``."""
+    from learner.algorithms import loss_kwargs
+    from learner.worker import LearnerWorker
+    from orchestrator.pools import _free_port, learner_layout
+
+    cfg = load_config(overrides=[f"model.path={model_dir}", "algorithm.name=grpo", "algorithm.kl_coef=0.01"])
+    return LearnerWorker(0, 1, "127.0.0.1", _free_port(), model_dir, "float32", dsc, loss_kwargs(cfg.algorithm), 1.0,
+                         0, 1, reference=True, layout=learner_layout(cfg), lora=lora)
 
 
 def _snapshot(model) -> dict:
@@ -158,19 +164,15 @@ def test_checkpoint_holds_the_adapter_not_the_base(worker, tmp_path):
 def _sgd_rank(model_dir: str, zero_stage: int, lora: dict | None):
     """A fresh rank (world size 1, seed 0) training with plain SGD, lr 10: its update is -10 x the gradient, so
     equal updates mean equal gradients (AdamW's first step, ~ -lr * sign(g), magnifies float rounding)."""
-    from learner.algorithms import loss_kwargs
-    from learner.worker import LearnerWorker, ds_config
-    from orchestrator.pools import _free_port, learner_layout
+    from learner.worker import ds_config
 
-    cfg = load_config(overrides=[f"model.path={model_dir}", "algorithm.name=grpo", "algorithm.kl_coef=0.01"])
     dsc = ds_config(8, 1, 1, zero_stage, 10.0, (0.9, 0.999), 0.0, 0, 1.0, "float32")
     dsc["optimizer"] = {"type": "SGD", "params": {"lr": 10.0}}
     dsc["zero_allow_untested_optimizer"] = True
     # every tensor partitioned and released after use, as a real model's embedding is (the tiny model's would
     # otherwise be under DeepSpeed's persistence threshold)
     dsc["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    return LearnerWorker(0, 1, "127.0.0.1", _free_port(), model_dir, "float32", dsc, loss_kwargs(cfg.algorithm), 1.0,
-                         0, 1, reference=True, layout=learner_layout(cfg), lora=lora)
+    return _rank(model_dir, dsc, lora)
 
 
 def _full_snapshot(model) -> dict:
