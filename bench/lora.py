@@ -18,6 +18,7 @@ configs/smollm2_arith_lora.yaml`` beside the full fine-tuning demo (two ~45-minu
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from bench.common import (
     RESULTS_DIR,
@@ -63,6 +64,7 @@ def measure(label: str, steps: int) -> dict:
         "peak_rss_mb": round(max(r["memory/actor_peak_rss_mb_max"] for r in run["rows"]
                                  if "memory/actor_peak_rss_mb_max" in r)),
         "shmem_mb": round(max((r.get("memory/actor_shmem_mb_max", 0) for r in run["rows"]), default=0)),
+        "rank_peak_rss_mb": rank_peaks(run["run_dir"]),
         "push_mb": round(rows[-1]["weight_sync/bytes"] / 2**20, 2),
         "push_s": round(median(r["time/sync_s"] for r in rows), 3),
         "probe_max": max(r["weight_sync/logprob_max_diff"] for r in run["rows"]
@@ -71,14 +73,22 @@ def measure(label: str, steps: int) -> dict:
     }
 
 
+def rank_peaks(run_dir: str) -> list[int]:
+    """Each learner rank's peak RSS over the whole run (the run summary's; rank 0's includes the final export)."""
+    peaks = json.loads((Path(run_dir) / "summary.json").read_text())["peak_rss_mb"]
+    return [round(v) for k, v in sorted(peaks.items()) if k.startswith("learner-")]
+
+
 def table(results: dict, commit: str = "") -> tuple[list[str], list[list]]:
     """The docs table; ``commit``: the result file's, for variants that do not record their own."""
     full = results["full fine-tuning"]
     headers = ["variant", "learner s/step", "x full (speed)", "peak RSS MB per rank", "of it object-store pages MB",
+               "whole run: rank 0 / rank 1 MB",
                "push MB", "% of full push", "push s (incl. probe)", "probe max \\|dlogp\\|", "generate s/step",
                "step s", "commit"]
     rows = [[label, r["learner_s"], round(full["learner_s"] / r["learner_s"], 2), r["peak_rss_mb"],
-             r.get("shmem_mb", "not recorded"), r["push_mb"], round(100 * r["push_mb"] / full["push_mb"], 1),
+             r.get("shmem_mb", "not recorded"), " / ".join(map(str, r.get("rank_peak_rss_mb", ["not recorded"]))),
+             r["push_mb"], round(100 * r["push_mb"] / full["push_mb"], 1),
              r["push_s"], f"{r['probe_max']:.1e}", r["generate_s"], r["step_s"], r.get("commit", commit)]
             for label, r in results.items()]
     return headers, rows
@@ -90,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     require_model(MODEL)
     steps = 2 if args.quick else args.steps
     saved = RESULTS_DIR / f"lora{'-quick' if args.quick else ''}.json"
-    results = json.loads(saved.read_text())["variants"] if args.only and saved.exists() else {}
+    results = {}
+    if args.only and saved.exists():  # the variants not measured again keep their own commit
+        old = json.loads(saved.read_text())
+        results = {label: {"commit": old["meta"]["commit"], **r}
+                   for label, r in old["variants"].items()}
     results.update({label: measure(label, steps) for label in args.only or VARIANTS})
     results = {label: results[label] for label in VARIANTS if label in results}
     print_table("LoRA vs full fine-tuning, SmolLM2-135M-Instruct", *table(results))

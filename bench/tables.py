@@ -73,26 +73,18 @@ def smollm2_demo(result: dict) -> str:
             f"{both}\n")
 
 
-def _at_minute(evals: list[dict], minutes: float) -> dict | None:
-    """The last eval of a curve at or before ``minutes`` of training + evals."""
-    done = [e for e in evals if e["minutes"] <= minutes]
-    return done[-1] if done else None
-
-
 def lora_accuracy(result: dict) -> str:
     """docs section 11: the LoRA demo's held-out accuracy against wall-clock minutes, beside the full fine-tuning
-    demo's (``smollm2_demo.json``), and both evaluators on both final policies."""
+    demo's (``smollm2_demo.json``) at the same steps, and both evaluators on both final policies."""
     full = json.loads((RESULTS_DIR / "smollm2_demo.json").read_text())
     n = result["outside"]["final"]["n"]
-    marks = sorted({0.0, *(m for m in (10, 20, 30, 40) if m < full["evals"][-1]["minutes"]),
-                    min(full["evals"][-1]["minutes"], result["evals"][-1]["minutes"])})
-    rows = []
-    for m in marks:
-        f, lo = _at_minute(full["evals"], m), _at_minute(result["evals"], m)
-        rows.append([m, *(f"{e['eval_accuracy']:.3f} (step {e['step']})" for e in (f, lo)),
-                     f"{lo['eval_accuracy'] - f['eval_accuracy']:+.3f}"])
-    curve = markdown_table(["minutes (training + evals)", "full fine-tuning: last eval by then",
-                            "LoRA: last eval by then", "LoRA - full"], rows)
+    by_step = {e["step"]: e for e in full["evals"]}
+    rows = [[e["step"], *((f"{f['minutes']}", f"{f['eval_accuracy']:.3f}") if (f := by_step.get(e["step"])) else
+                          ("", "")), e["minutes"], f"{e['eval_accuracy']:.3f}"] for e in result["evals"]]
+    rows += [[f"end (step {f['step']})", f["minutes"], f"{f['eval_accuracy']:.3f}", "", ""]
+             for f in full["evals"] if f["step"] not in {e["step"] for e in result["evals"]}]
+    curve = markdown_table(["step", "full fine-tuning: minutes (training + evals)", "held-out accuracy",
+                            "LoRA: minutes", "held-out accuracy"], rows)
     rules = ("last_int", "single")
     both = markdown_table(
         ["policy", "steps", "minutes", "median s/step", "fleetrl eval (vLLM)", "outside: last integer (HF generate)",

@@ -19,16 +19,20 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 ADAPTER = "default"  # PEFT's name of the one adapter
+VALUE_HEADS = ["score", "classifier"]  # a token-classification head's names (PEFT's own list for TOKEN_CLS)
 Gather = Callable[[list[torch.Tensor]], contextlib.AbstractContextManager] | None
 
 
-def add_adapters(hf_model, spec: dict):
+def add_adapters(hf_model, spec: dict, value_head: bool = False):
     """Wrap ``hf_model`` (modified in place) in a PEFT LoRA model from ``spec`` (:meth:`LoraSection.spec`);
-    returns the ``PeftModel``. Only adapter parameters keep ``requires_grad``."""
+    returns the ``PeftModel``. Only adapter parameters keep ``requires_grad``; with ``value_head`` (a critic: a
+    token-classification model) also its fresh head (``score``, or ``classifier`` in some architectures), which
+    PEFT keeps as a trainable copy (``modules_to_save``) and which gets no adapter of its own."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=spec["rank"], lora_alpha=spec["alpha"], lora_dropout=spec["dropout"],
-                        target_modules=spec["target_modules"], bias="none")
+                        target_modules=spec["target_modules"], bias="none",
+                        **({"task_type": "TOKEN_CLS", "exclude_modules": VALUE_HEADS} if value_head else {}))
     try:
         return get_peft_model(hf_model, config)
     except ValueError as e:  # PEFT: "Target modules {...} not found in the base model"
@@ -100,12 +104,13 @@ class MergedWeights(Mapping):
 
 
 def checkpoint_adapters_only(module: torch.nn.Module) -> None:
-    """Make ``module.state_dict()`` (what a DeepSpeed checkpoint saves as the module) hold the adapter tensors
-    only: the frozen base is the model path's, and a tied output embedding would otherwise be saved again
-    (DeepSpeed's ``exclude_frozen_parameters`` skips frozen parameters by name, not their tied aliases)."""
+    """Make ``module.state_dict()`` (what a DeepSpeed checkpoint saves as the module) hold the trained tensors
+    only, the adapters (and a critic's value head, ``score.modules_to_save``): the frozen base is the model path's,
+    and a tied output embedding would otherwise be saved again (DeepSpeed's ``exclude_frozen_parameters`` skips
+    frozen parameters by name, not their tied aliases)."""
 
     def drop_base(_module, state, _prefix, _metadata) -> None:
-        for key in [k for k in state if "lora_" not in k]:
+        for key in [k for k in state if "lora_" not in k and ".modules_to_save." not in k]:
             del state[key]
 
     module.register_state_dict_post_hook(drop_base)

@@ -37,7 +37,8 @@ class LearnerWorker(LoggedActor):
         ``lora`` (:meth:`orchestrator.lora_config.LoraSection.spec`): PEFT adapters on it, the base frozen and
         serving as the reference with the adapters off (:mod:`learner.lora`).
         ``role="critic"``: the same architecture with a scalar head (initialized from the policy weights, head
-        fresh), trained with ``value_loss(**loss_kwargs)``. ``layout``: packing, logprob chunking, token-budget
+        fresh), trained with ``value_loss(**loss_kwargs)``; with ``lora`` (``learner.lora.critic``) its own adapters
+        and value head on its frozen base. ``layout``: packing, logprob chunking, token-budget
         micro-batches (:class:`learner.packing.Layout`)."""
         self._start_logging()
         skip_unused_imports()
@@ -61,12 +62,18 @@ class LearnerWorker(LoggedActor):
         self.role = role
         self.autocast = getattr(torch, autocast) if autocast else None  # mixed precision: compute dtype
         self.ref = None  # the frozen reference policy, only when a KL term reads it (or KL is logged)
-        self.peft = None  # the PEFT model when the policy trains LoRA adapters
+        self.peft = None  # the PEFT model when this group (the policy, or a LoRA critic) trains LoRA adapters
         self.lora_push = (lora or {}).get("push", "merged")
         self.has_ref = reference and role != "critic"
         if role == "critic":
             self.hf_model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch_dtype)
             model = self.hf_model
+            _disable_dropout(model)  # as the policy's: values must not depend on which pass computes them
+            if lora:  # its own adapters and its value head on its own frozen base
+                from learner.lora import add_adapters, checkpoint_adapters_only
+
+                self.peft = add_adapters(self.hf_model, lora, value_head=True)
+                checkpoint_adapters_only(model)
         else:
             self.hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
             _disable_dropout(self.hf_model)  # the learner's logprobs must equal the engine's (and the old policy's)
@@ -83,8 +90,6 @@ class LearnerWorker(LoggedActor):
         if gradient_checkpointing:
             self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # from_pretrained returns eval mode, where transformers skips gradient checkpointing
-        if role == "critic":
-            _disable_dropout(model)
         trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
         _load_checkpoints_weights_only(self.engine)
@@ -368,7 +373,7 @@ class LearnerWorker(LoggedActor):
         import torch
 
         self.engine.save_checkpoint(path, tag="ds", client_state={"rng": torch.get_rng_state()},
-                                    save_latest=False)
+                                    save_latest=False, exclude_frozen_parameters=self.peft is not None)
 
     def load_checkpoint(self, path: str) -> None:
         import torch

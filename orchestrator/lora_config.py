@@ -37,6 +37,19 @@ class LoraSection(Section):
     the adapter tensors alone and the engines serve base + adapter (vLLM LoRA, each policy version a new
     `LoRARequest`, the previous one unloaded)."""
 
+    critic: bool = False
+    """PPO's critic (an algorithm with a value model) trains LoRA adapters too: its own adapters of the same rank,
+    alpha and target modules, plus its fresh value head, on its own frozen copy of the base (set
+    `algorithm.critic_lr` for them: LoRA wants ~10x the full-weight rate). False: the critic trains full weights.
+    Ignored by algorithms without a critic (so a pipeline's stages can share the `learner` section)."""
+
+    @field_validator("critic")
+    @classmethod
+    def _critic_needs_rank(cls, value: bool, info):
+        if value and not info.data.get("rank"):
+            raise ValueError("true adapts the critic like the policy and needs learner.lora.rank > 0")
+        return value
+
     @model_validator(mode="after")
     def _adapter_rank(self) -> LoraSection:
         if self.push == "adapter" and self.rank > VLLM_MAX_LORA_RANKS[-1]:

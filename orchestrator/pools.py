@@ -412,7 +412,7 @@ class LearnerGroup:
             ).remote(r, self.world, master_addr, port, cfg.model.path, cfg.model.dtype, dsc, loss_kwargs,
                      learner_temperature(cfg), cfg.trainer.seed, cfg.trainer.torch_threads, lc.gradient_checkpointing,
                      role, cfg.uses_reference, lc.mixed_precision, learner_layout(cfg),
-                     lc.lora.spec() if role == "actor" else None)
+                     lc.lora.spec() if role == "actor" or lc.lora.critic else None)
             for r in range(self.world)
         ]
         for r, handle in enumerate(self.ranks):

@@ -37,15 +37,52 @@ def worker(model_dir):
     torch.distributed.destroy_process_group()
 
 
-def _rank(model_dir: str, dsc: dict, lora: dict | None):
-    """A fresh learner rank (world size 1, seed 0, GRPO with a KL reference) under DeepSpeed config ``dsc``."""
-    from learner.algorithms import loss_kwargs
+def _rank(model_dir: str, dsc: dict, lora: dict | None, role: str = "actor"):
+    """A fresh learner rank (world size 1, seed 0, GRPO with a KL reference; ``role="critic"``: PPO's critic)
+    under DeepSpeed config ``dsc``."""
+    from learner.algorithms import critic_loss_kwargs, loss_kwargs
     from learner.worker import LearnerWorker
     from orchestrator.pools import _free_port, learner_layout
 
-    cfg = load_config(overrides=[f"model.path={model_dir}", "algorithm.name=grpo", "algorithm.kl_coef=0.01"])
-    return LearnerWorker(0, 1, "127.0.0.1", _free_port(), model_dir, "float32", dsc, loss_kwargs(cfg.algorithm), 1.0,
-                         0, 1, reference=True, layout=learner_layout(cfg), lora=lora)
+    algo = "ppo" if role == "critic" else "grpo"
+    cfg = load_config(overrides=[f"model.path={model_dir}", f"algorithm.name={algo}", "algorithm.kl_coef=0.01"])
+    kwargs = critic_loss_kwargs(cfg.algorithm) if role == "critic" else loss_kwargs(cfg.algorithm)
+    return LearnerWorker(0, 1, "127.0.0.1", _free_port(), model_dir, "float32", dsc, kwargs, 1.0, 0, 1,
+                         role=role, reference=role == "actor", layout=learner_layout(cfg), lora=lora)
+
+
+def test_a_lora_critic_trains_its_adapters_and_value_head_only(model_dir, process_group, tmp_path):
+    """``learner.lora.critic``: PPO's critic with its own adapters on a frozen base. Before any update its values
+    equal the full-weight critic's exactly (B = 0, the same fresh head); an update moves only its adapters and its
+    value head (the optimizer holds nothing else), and its checkpoint holds just those tensors."""
+    from bench.learner_overhead import make_batch
+    from learner.worker import ds_config
+
+    dsc = ds_config(8, 1, 1, 2, 1e-2, (0.9, 0.999), 0.0, 0, 1.0, "float32")
+    full = _rank(model_dir, dsc, None, role="critic")
+    batch = make_batch(full.hf_model.config.vocab_size, 8, 6)
+    batch.old_values = torch.zeros_like(batch.advantages)
+    g = torch.Generator().manual_seed(1)
+    batch.returns = torch.randn(batch.advantages.shape, generator=g) * batch.response_mask
+    full_values = full.compute_values(batch, 8)
+    w = _rank(model_dir, dsc, LORA, role="critic")
+    assert torch.equal(w.compute_values(batch, 8), full_values)
+    trainable = {n for n, p in w.hf_model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n or "score.modules_to_save." in n for n in trainable)
+    assert any("score.modules_to_save." in n for n in trainable) and any(".lora_B." in n for n in trainable)
+    assert {id(p) for g in w.engine.optimizer.bit16_groups for p in g} == \
+        {id(p) for p in w.hf_model.parameters() if p.requires_grad}
+    before = _snapshot(w.hf_model)
+    w.train([batch.with_scale()], 1, 8)
+    after = _snapshot(w.hf_model)
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed and changed <= trainable and any("score.modules_to_save." in n for n in changed)
+    assert not torch.equal(w.compute_values(batch, 8), full_values)
+    w.save_checkpoint(str(tmp_path / "ckpt"))
+    states = list((tmp_path / "ckpt" / "ds").glob("mp_rank_*_model_states.pt"))
+    state = torch.load(states[0], map_location="cpu", weights_only=False)
+    assert set(state["module"]) == trainable, sorted(set(state["module"]) ^ trainable)
+    assert not state.get("frozen_param_fragments")  # nor the frozen base beside it
 
 
 def _snapshot(model) -> dict:
@@ -157,8 +194,10 @@ def test_checkpoint_holds_the_adapter_not_the_base(worker, tmp_path):
     w.save_checkpoint(str(tmp_path / "ckpt"))
     states = list((tmp_path / "ckpt" / "ds").glob("mp_rank_*_model_states.pt"))
     assert states
-    module = torch.load(states[0], map_location="cpu", weights_only=False)["module"]
+    state = torch.load(states[0], map_location="cpu", weights_only=False)
+    module = state["module"]
     assert module and all("lora_" in n for n in module), [n for n in module if "lora_" not in n]
+    assert not state.get("frozen_param_fragments")  # ZeRO-2 would add every frozen tensor here
 
 
 def _sgd_rank(model_dir: str, zero_stage: int, lora: dict | None):
@@ -245,6 +284,7 @@ def test_zero3_trains_as_zero2(model_dir, process_group, tmp_path, lora, untied)
     ("learner.lora.target_modules=[]", "learner.lora.target_modules"),
     ("learner.lora.push=delta", "learner.lora.push"),
     ("learner.lora.rank=600 learner.lora.push=adapter", "largest LoRA rank is 512"),
+    ("algorithm.name=ppo learner.lora.critic=true", "learner.lora.critic: Value error, true adapts the critic"),
 ])
 def test_bad_lora_settings_are_config_errors(override, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):

@@ -24,10 +24,12 @@ MODES = {
                                     "learner.zero_stage=0"],
     # LoRA: the checkpoint holds the adapters and their AdamW state only, the KL reference is the base with them
     # off, each push broadcasts the adapter alone and the engine serves it as a new LoRARequest; the exports:
-    # merged (not the base) and the adapter alone (the merged push: tests/test_lora.py)
-    "grpo-lora-adapter_push-collective-zero2-2ranks": [
-        "learner.num_ranks=2", "learner.zero_stage=2", "learner.lora.rank=8", "learner.lora.push=adapter",
-        "learner.lora.target_modules=[q_proj,v_proj]", "rollout.weight_sync=collective", "learner.lr=3e-3"],
+    # merged (not the base) and the adapter alone (the merged push: tests/test_lora.py). PPO's critic trains its
+    # own adapters and value head (learner.lora.critic), which its checkpoint holds and the resume restores
+    "ppo-lora_critic-adapter_push-collective-zero2-2ranks": [
+        "algorithm.name=ppo", "learner.num_ranks=2", "learner.zero_stage=2", "learner.lora.rank=8",
+        "learner.lora.push=adapter", "learner.lora.target_modules=[q_proj,v_proj]", "learner.lora.critic=true",
+        "rollout.weight_sync=collective", "learner.lr=3e-3", "algorithm.critic_lr=3e-3"],
 }
 SAME = ("reward/mean", "loss", "kl", "entropy", "actor/grad_norm", "rollout/logprob_gap_max", "rollout/staleness_max")
 
@@ -55,7 +57,7 @@ def test_resume_is_exact(tmp_path, mode):
         for key in keys:
             assert other[key] == pytest.approx(row[key], rel=1e-5, abs=1e-7), (row["step"], key)
         assert other["weight_sync/logprob_max_diff"] < 1e-3  # the restored weights reached the engine
-    if mode.startswith("grpo"):
+    if mode.startswith("grpo") or "lora" in mode:
         out = tmp_path / "exported"
         r = subprocess.run([sys.executable, "-m", "orchestrator", "export", str(tmp_path / "full"), "--out",
                             str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
