@@ -28,7 +28,6 @@ math-verify parses LaTeX and decides symbolic equivalence; this module decides w
 from __future__ import annotations
 
 import functools
-import math
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -61,30 +60,56 @@ class FinalAnswer:
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
 _ANSWER_IS = re.compile(r"\banswer\s*(?:is|:|=)\s*:?", re.I)
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BOLD = re.compile(r"(?<![\w\\*])(\*\*|__)(?=[^\s*_])(.+?)(?<=[^\s*_])\1(?![\w*])")
+_EMPHASIS = re.compile(r"(?<![\w\\*)\]])\*(?=[^\s*])([^*\n]+?)(?<=[^\s*])\*(?![\w*(])")
+_HEADING = re.compile(r"^[ \t]*(?:#{1,3}|#{5,6}|####(?=[^\n0-9]*$))[ \t]+", re.M)
+_MATHY = re.compile(r"[0-9$\\]")
+_MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.S)
+
+
+def strip_markdown(text: str) -> str:
+    """Markdown emphasis (``**159**``, ``__159__``, ``*159*``) and heading marks (``### Final Answer``) removed: they
+    are formatting, never operators. A ``####`` line holding a digit stays (GSM8K's answer marker); ``3**2`` and
+    ``3*4*5`` stay (operators between operands)."""
+    for _ in range(3):  # ***159*** is bold inside emphasis
+        text = _EMPHASIS.sub(r"\1", _BOLD.sub(r"\2", text))
+    return _HEADING.sub("", text)
 
 
 def final_text(completion: str) -> str | None:
-    """What follows the last ``</think>`` (the whole completion when it has no think block), stripped; None when
-    a ``<think>`` is never closed (truncated reasoning states no answer) or the completion is enormous."""
+    """What follows the last ``</think>`` (the whole completion when it has no think block), stripped, markdown
+    removed; None when a ``<think>`` is never closed (truncated reasoning states no answer) or the completion is
+    enormous."""
     if len(completion) > MAX_COMPLETION_CHARS:
         return None
     head, closed, tail = completion.rpartition("</think>")
     if not closed:
-        return None if "<think>" in completion else completion.strip()
-    return tail.strip()
+        return None if "<think>" in completion else strip_markdown(completion.strip())
+    return strip_markdown(tail.strip())
+
+
+def _box_spans(text: str) -> list[tuple[int, int]]:
+    r"""(start, end) of the contents of every outermost ``\boxed{...}`` / ``\fbox{...}`` (braces balanced), in
+    order: one pass over the text, so deeply nested boxes cost linear time."""
+    opens = {m.end() - 1 for m in _BOX_OPEN.finditer(text)}
+    spans: list[tuple[int, int]] = []
+    depth, box_depth, start = 0, 0, 0  # box_depth: the depth of the open outermost box's brace, 0 when none
+    for i in (range(len(text)) if opens else ()):
+        if text[i] == "{":
+            depth += 1
+            if not box_depth and i in opens:
+                box_depth, start = depth, i + 1
+        elif text[i] == "}" and depth:
+            if depth == box_depth:
+                spans.append((start, i))
+                box_depth = 0
+            depth -= 1
+    return spans
 
 
 def boxed_contents(text: str) -> list[str]:
-    r"""The contents of every ``\boxed{...}`` / ``\fbox{...}`` in ``text`` (braces balanced), in order."""
-    out = []
-    for m in _BOX_OPEN.finditer(text):
-        depth, i = 1, m.end()
-        while i < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            out.append(text[m.end():i - 1].strip())
-    return out
+    r"""The contents of every outermost ``\boxed{...}`` / ``\fbox{...}`` in ``text`` (braces balanced), in order."""
+    return [text[a:b].strip() for a, b in _box_spans(text)]
 
 
 def answer_regions(completion: str) -> list[str] | None:
@@ -96,46 +121,60 @@ def answer_regions(completion: str) -> list[str] | None:
     if "####" in text:
         ending = text.rpartition("####")[2].split("\n", 1)[0].strip()
         return [ending] if ending else None
-    boxes = boxed_contents(text)
-    if boxes:
-        return boxes
-    tags = _ANSWER_TAG.findall(text)
-    if tags:
-        return [tags[-1].strip()]
+    spans = _box_spans(text)
     said = list(_ANSWER_IS.finditer(text))
-    if said:
-        return [text[said[-1].end():].strip()]
-    return [text]
+    stated = text[said[-1].end():].strip() if said else ""
+    span = _MATH_SPAN.match(stated)
+    if span:  # "The final answer is $159$. I hope it is correct." (Minerva): the math that follows the statement
+        stated = next(g for g in span.groups() if g is not None).strip()
+    if spans and not (said and said[-1].start() > spans[-1][1] and _MATHY.search(stated)):
+        return [text[a:b].strip() for a, b in spans]  # a final statement (with some math) after the last box wins
+    tags = _ANSWER_TAG.findall(text)
+    if tags and not spans:
+        return [tags[-1].strip()]
+    return [stated] if stated else [text]
 
 
 # ---- 2. numbers ---------------------------------------------------------------------------------------------------
 
-_LATEX_FRAC = re.compile(r"\\[dt]?frac\s*\{\s*(-?[0-9]+)\s*\}\s*\{\s*([0-9]+)\s*\}")
-_LATEX_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]*)\}")
+_LATEX_FRAC = re.compile(r"\\[dtc]?frac\s*\{\s*(-?[0-9]+)\s*\}\s*\{\s*([0-9]+)\s*\}")
+_LATEX_FRAC_SHORT = re.compile(r"\\([dtc]?frac)\s*(?:([0-9])\s*([0-9])|([0-9])\s*(\{[^{}]*\})|(\{[^{}]*\})\s*([0-9]))")
+_LATEX_TEXT = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
 _LATEX_NOISE = re.compile(r"\\[(),!;\[\]]|\\left|\\right|\$|\\%")
-_LATEX_OPS = {r"\times": "*", r"\cdot": "*", r"\div": "/", r"\pm": "+", "×": "*", "÷": "/", "−": "-", "·": "*"}
-_NUMERAL = re.compile(r"(?<![0-9.,])(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?(?![0-9])")
+_LATEX_OPS = {r"\approx": "=", "≈": "=", r"\times": "*", r"\cdot": "*", r"\div": "/", r"\pm": "+", "×": "*", "÷": "/", "−": "-", "·": "*"}
+_DIGIT_GROUP = re.compile(r"(?<=[0-9])\s*(?:\{\s*,\s*\}|,\s*\\!|\\,|\\ |~|\u2009|\u202f)\s*(?=[0-9]{3}(?![0-9]))")
+_NUMERAL = re.compile(r"(?<![0-9.,])(?:(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)(?![0-9])")
 _TRAILING_PAREN = re.compile(r"\s*\([^()]*\)[\s.!]*$")
 _OPERATOR_BEFORE = re.compile(r"(?:[0-9)]\s*(?:[-+*/^x])|[+*/^])\s*$")
 _SIGN_BEFORE = re.compile(r"-\s*$")
 _LIST_BEFORE = re.compile(r"[0-9)]\s*(?:,|;|/|\||\bor\b|\band\b|\bthen\b|\bto\b|\.\.\.|…)?\s*$", re.I)
 _OPERATOR_AFTER = re.compile(r"^\s*(?:\*\*|[-+*/^]|x\s*[0-9(])")
+_GLUED_BEFORE = re.compile(r"(?:[A-Za-z_\\]|[{}^]\s*)$")  # AZYUK2, x2, \frac{1+\sqrt{5}}{2}, 10^{10}
+_GLUED_AFTER = re.compile(r"^(?:\s*[{}^_]|[A-Z]|,[0-9])")  # 2A, 2^{10}, 1000,99 (a decimal comma)
+ROUNDED_PLACES = 6
+"""A decimal answer with at least this many places that is the reference rounded to its places is right
+(``0.333333`` for 1/3), as math-verify's default ``float_rounding``; fewer places are another number."""
 
 
 def _clean_math(text: str) -> str:
-    r"""LaTeX and typographic wrappers removed (``$``, ``\(``, ``\text{}``), ``\frac{a}{b}`` as ``a/b``, operator
+    r"""LaTeX and typographic wrappers removed (``$``, ``\(``, ``\text{}``), ``\frac{a}{b}`` (also ``\frac13``,
+    ``\dfrac``, ``\cfrac``) as ``a/b``, digit-group separators (``14{,}916``, ``14\,916``) as ``,``, operator
     symbols as ASCII."""
     text = _LATEX_TEXT.sub(r" \1 ", text)
+    text = _LATEX_FRAC_SHORT.sub(lambda m: "\\frac" + "".join(
+        g if g.startswith("{") else "{" + g + "}" for g in m.groups()[1:] if g), text)
     text = _LATEX_FRAC.sub(r"\1/\2", text)
+    text = _DIGIT_GROUP.sub(",", text)
     for symbol, ascii_op in _LATEX_OPS.items():
         text = text.replace(symbol, f" {ascii_op} ")
     return _LATEX_NOISE.sub(" ", text)
 
 
 def parse_number(text: str) -> Fraction | None:
-    r"""The value of a bare numeral (``159``, ``-32``, ``1,234``, ``0.75``, ``3/4``, ``\frac{3}{4}``), else None."""
+    r"""The value of a bare numeral (``159``, ``-32``, ``1,234``, ``0.75``, ``.4``, ``3/4``, ``\frac{3}{4}``),
+    else None."""
     s = _clean_math(text).strip().rstrip(".")
-    m = re.fullmatch(r"(-?)\s*([0-9,]+(?:\.[0-9]+)?)(?:\s*/\s*([0-9]+))?", s)
+    m = re.fullmatch(r"(-?)\s*([0-9,]*(?:\.[0-9]+)?)(?:\s*/\s*([0-9]+))?", s)
     if not m or not _NUMERAL.fullmatch(m.group(2)) or len(s) > MAX_NUMERAL_DIGITS:
         return None
     value = Fraction(m.group(2).replace(",", ""))
@@ -159,34 +198,44 @@ def final_number(region: str) -> FinalAnswer | None:
     if not numerals:
         return None
     last = numerals[-1]
-    if len(last.group()) > MAX_NUMERAL_DIGITS or _OPERATOR_AFTER.match(text[last.end():]):
+    after = text[last.end():]
+    if len(last.group()) > MAX_NUMERAL_DIGITS or _OPERATOR_AFTER.match(after) or _GLUED_AFTER.match(after):
         return None
     start, value = last.start(), Fraction(last.group().replace(",", ""))
     before = text[:start]
     denominator_of = re.search(r"(?<![0-9.,])([0-9]+)\s*/\s*$", before)
     if denominator_of and "." not in last.group() and "," not in last.group():  # a fraction a/b
-        numerator = int(denominator_of.group(1))
-        if int(last.group()) == 0 or math.gcd(numerator, int(last.group())) != 1:
-            return None  # 12/4, 6/8: a division left undone
-        value, start = Fraction(numerator, int(last.group())), denominator_of.start()
+        numerator, denominator = int(denominator_of.group(1)), int(last.group())
+        if denominator == 0 or numerator % denominator == 0:
+            return None  # 12/4, 318/2: a division left undone
+        value, start = Fraction(numerator, denominator), denominator_of.start()
         before = text[:start]
     if _SIGN_BEFORE.search(before) and not re.search(r"[0-9)]\s*-\s*$", before):
         value, before = -value, _SIGN_BEFORE.sub("", before)
-    if _OPERATOR_BEFORE.search(before) or _LIST_BEFORE.search(before):
-        return None  # an operand of a computation left undone, or the last of several candidates
+    if _OPERATOR_BEFORE.search(before) or _LIST_BEFORE.search(before) or _GLUED_BEFORE.search(before):
+        return None  # an operand of a computation left undone, the last of several candidates, part of a word
     return FinalAnswer(text[start:last.end()].strip(), value)
+
+
+def numbers_equal(answer: FinalAnswer, expected: Fraction) -> bool:
+    """Exact equality, or a decimal of at least :data:`ROUNDED_PLACES` places that is ``expected`` rounded."""
+    if answer.value == expected:
+        return True
+    places = len(answer.text.rpartition(".")[2]) if "." in answer.text else 0
+    return places >= ROUNDED_PLACES and round(expected, places) == answer.value
 
 
 # ---- 3. expressions ---------------------------------------------------------------------------------------------
 
 _WORD = re.compile(r"[A-Za-z]{3,}")
+_LATEX_WORDS = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox|operatorname|begin|end)\s*\{[^{}]*\}|\\[A-Za-z]+")
 
 
 def final_expression(region: str) -> FinalAnswer | None:
     r"""The expression ``region`` answers with, parsed by math-verify (LaTeX with or without delimiters, plain
     expressions); the value (``text``) is math-verify's matched string. A region without ``$`` and without words
 (``2\sqrt{3}``, ``x+1``, ``[1, 3]``) is read as one LaTeX expression."""
-    bare_math = "$" not in region and not _WORD.search(re.sub(r"\\[A-Za-z]+", " ", region))
+    bare_math = "$" not in region and not _WORD.search(_LATEX_WORDS.sub(" ", region))
     parsed = (parse_math(f"${region}$") if bare_math else []) or parse_math(region)
     if not parsed:
         return None
@@ -242,17 +291,20 @@ def resolve_form(reference: str, form: str = "auto") -> str:
 
 def final_answer(completion: str, form: str = "number", prompt: str = "") -> FinalAnswer | None:
     """The completion's one final answer in ``form`` (``number`` | ``expression``), or None when it states none,
-    several that disagree, or (``expression``) one that restates an expression of ``prompt``."""
+    several that disagree, or one that restates a computation of ``prompt`` (a fraction or an expression copied
+    from it)."""
     regions = answer_regions(completion)
     if not regions:
         return None
     read = final_number if form == "number" else final_expression
     answers = [read(r) for r in regions]
     if any(a is None for a in answers) or len({a.key for a in answers}) > 1:
-        if form == "number" or not _all_equivalent(answers):
+        if form == "number":
             return None
+        if not _all_equivalent(answers):  # one box per element of a set: the set
+            return final_expression(", ".join(regions)) if len(regions) > 1 else None
     answer = answers[-1]
-    if form == "expression" and prompt and _restates(answer, regions[-1], prompt):
+    if prompt and _restates(answer.text if form == "number" else regions[-1], prompt):
         return None
     return answer
 
@@ -261,15 +313,16 @@ def _all_equivalent(answers: list[FinalAnswer | None]) -> bool:
     return all(a is not None for a in answers) and all(expressions_equal(a.text, answers[-1].text) for a in answers)
 
 
-def _restates(answer: FinalAnswer, region: str, prompt: str) -> bool:
-    """Whether the answer is an expression copied from the prompt (a computation handed back, not done)."""
-    written = _squeeze(region)
-    return len(written) > 1 and bool(re.search(r"[-+*/^\\]", written)) and written in _squeeze(prompt)
+def _restates(written: str, prompt: str) -> bool:
+    """Whether the answer is a computation copied from the prompt (``\\sqrt{12}`` for "Simplify \\sqrt{12}",
+    ``6/8`` for "Reduce 6/8"): handed back, not done."""
+    written = _squeeze(_clean_math(written))
+    return len(written) > 1 and bool(re.search(r"[-+*/^\\]", written)) and written in _squeeze(_clean_math(prompt))
 
 
 def matches(completion: str, reference: str, form: str = "auto", prompt: str = "") -> bool:
     """Whether the completion's final answer (:func:`final_answer`) is the reference: equal numbers for a numeric
-    reference, math-verify equivalence for a symbolic one."""
+    reference (:func:`numbers_equal`), math-verify equivalence for a symbolic one."""
     reference = str(reference).strip()
     form = resolve_form(reference, form)
     expected = parse_number(reference) if form == "number" else None
@@ -279,7 +332,7 @@ def matches(completion: str, reference: str, form: str = "auto", prompt: str = "
     if answer is None:
         return False
     if form == "number":
-        return answer.value == expected
+        return numbers_equal(answer, expected)
     return _squeeze(answer.text) == _squeeze(reference) or expressions_equal(answer.text, reference)
 
 

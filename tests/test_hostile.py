@@ -71,8 +71,8 @@ def test_a_symbolic_answer_restating_the_prompt_is_no_answer():
 
 
 def test_answer_form_forces_the_rule():
-    assert matches("\\boxed{6/8}", "3/4", form="expression") and not matches("\\boxed{6/8}", "3/4", form="number")
-    assert REWARD_FUNCTIONS["math"]("q", "\\boxed{6/8}", {"answer": "3/4", "answer_form": "expression"}) == 1.0
+    assert matches("\\boxed{12/4}", "3", form="expression") and not matches("\\boxed{12/4}", "3", form="number")
+    assert REWARD_FUNCTIONS["math"]("q", "\\boxed{12/4}", {"answer": "3", "answer_form": "expression"}) == 1.0
     with pytest.raises(ValueError, match="answer form"):
         matches("1", "1", form="numeric")
     with pytest.raises(ValueError, match="numeric reference"):
