@@ -238,6 +238,11 @@ class RewardConfig(Section):
     """Per-call time limit of a reward function; a call past it scores 0 and counts as an error."""
     strict: bool = False
     """Make a raising or hanging reward function fatal instead of scoring 0."""
+    processes: int = Field(2, ge=1, le=64)
+    """Worker processes per reward actor that run the functions under the hard limits (rewards/bounded.py): a
+    call past `timeout_s` is stopped by killing its process (`reward/timeouts`), which is replaced."""
+    memory_mb: int = Field(2048, ge=256)
+    """Address-space limit of each of those processes; a call past it raises MemoryError (scores 0, an error)."""
     max_restarts: int = Field(3, ge=0)
     """Reward actors that die are replaced and their batch re-scored, this many times per run."""
     num_cpus: float = Field(0.25, ge=0.0)

@@ -97,7 +97,7 @@ def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "re
     cfg.model.path = str(resolve_model_dir(checkpoint))
     from orchestrator.launch import init_ray, make_task, max_model_len
     from orchestrator.pools import RewardPool, RolloutPool, wait_ready
-    from rewards.functions import is_correct
+    from rewards.functions import verdicts, verify_timeouts
 
     task = make_task(cfg)
     prompts, verifier = task.eval_set(cfg.data.eval_size), task.verifier_fn
@@ -116,13 +116,14 @@ def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "re
     for g in range(len(prompts)):
         group = scored[g * n_max: (g + 1) * n_max]
         sel = [x.reward if select == "reward" else x.components["reward_model"] for x in group]
-        groups.append((sel, [is_correct(verifier, x.sample.prompt_text, x.sample.completion_text, x.sample.metadata)
-                             for x in group]))
+        groups.append((sel, verdicts(verifier, [(x.sample.prompt_text, x.sample.completion_text, x.sample.metadata)
+                                                for x in group])))
     report = {
         "checkpoint": checkpoint, "model_path": cfg.model.path, "num_prompts": len(prompts), "n": ns,
         "temperature": cfg.rollout.temperature, "seed": cfg.rollout.seed, "select": select,
-        "greedy_accuracy": sum(is_correct(verifier, s.prompt_text, s.completion_text, s.metadata)
-                               for s in greedy) / len(greedy),
+        "greedy_accuracy": sum(verdicts(verifier, [(s.prompt_text, s.completion_text, s.metadata)
+                                                   for s in greedy])) / len(greedy),
+        "verify_timeouts": verify_timeouts(),
         **summarize(groups, ns), **(_episodes(greedy) if cfg.env.name else {}), "reward_errors": errors,
         "seconds": round(time.perf_counter() - t0, 1),
     }

@@ -278,6 +278,7 @@ class RewardPool(ActorPool):
     def __init__(self, cfg: FleetConfig, judge: tuple | None = None):
         self.cfg = cfg
         super().__init__(cfg.reward.num_workers, cfg.reward.max_restarts)
+        self.timeouts = 0  # reward-function calls stopped at reward.timeout_s, over the pool's life
         self.model_pool = RewardModelPool(cfg) if cfg.reward.model.path else None
         self.judge, self.judge_engines = judge or (None, None)
 
@@ -291,7 +292,9 @@ class RewardPool(ActorPool):
         judge = self.cfg.judge_spec
         specs = [(f.name, f.weight, f.params) for f in rc.functions if f is not judge]
         return ray.remote(RewardWorker).options(num_cpus=rc.num_cpus, resources=rc.resources or None,
-                                                **self._options(name)).remote(specs, rc.timeout_s, rc.strict)
+                                                **self._options(name)).remote(specs, rc.timeout_s, rc.strict,
+                                                                              processes=rc.processes,
+                                                                              memory_mb=rc.memory_mb)
 
     def score(self, samples: list[Sample]) -> tuple[list[ScoredSample], int]:
         """Every sample's reward and components from the functions and the reward model (not the judge), and how
@@ -300,9 +303,10 @@ class RewardPool(ActorPool):
         outs = self.fan_out(
             lambda w, part: w.score.remote([(s.prompt_text, s.completion_text, s.metadata) for s in part]), parts)
         results, errors = [], 0
-        for out, errs in outs:
+        for out, errs, timeouts in outs:
             results.extend(out)
             errors += errs
+            self.timeouts += timeouts
         scored = [ScoredSample(s, r.reward, r.components) for s, r in zip(samples, results)]
         if self.model_pool:
             weight = self.cfg.reward.model.weight

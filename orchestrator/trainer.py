@@ -40,7 +40,7 @@ from orchestrator.run_status import RunStatus
 from orchestrator.samples import eval_records, restate_frac, shown, write_eval_samples
 from orchestrator.steps import process_separator, step_ends
 from orchestrator.weight_sync import make_weight_sync
-from rewards.functions import is_correct
+from rewards.functions import verdicts, verify_timeouts
 from workers.prompts import pad_token_id
 from workers.records import ScoredSample
 
@@ -388,6 +388,7 @@ class Trainer:
         ``rollout.max_sampling_rounds`` rounds; a batch still short is topped up with set-aside groups."""
         cfg, G = self.cfg, self.cfg.rollout.group_size
         need, kept, spare, errors, rounds, judge_errors = cfg.data.prompts_per_step, [], [], 0, 0, 0
+        timeouts = self.rewards.timeouts
         while len(kept) < need and rounds < (cfg.rollout.max_sampling_rounds if cfg.rollout.dynamic_sampling else 1):
             prompts = self.task.train_batch(step, need, round_=rounds)
             with timer("generate"):
@@ -404,6 +405,7 @@ class Trainer:
                 (kept if informative else spare).append(group)
         groups = (kept + spare)[:need]
         info = {"sampling/rounds": rounds, "sampling/informative_groups": len(kept),
+                "reward/timeouts": self.rewards.timeouts - timeouts,
                 **({"reward/judge_errors": judge_errors} if self.judge else {})}
         if cfg.env.name:
             info["env/dropped_groups"] = drop_errored_groups(groups) if cfg.env.errored == "drop_group" else 0
@@ -473,7 +475,7 @@ class Trainer:
     def evaluate(self, step: int) -> dict:
         """Greedy held-out accuracy through the rollout engines; the completions and their verdicts go to
         ``<run.dir>/evals/step_<step>.jsonl``, ``trainer.show_samples`` of them to the console and the trackers."""
-        t0 = time.perf_counter()
+        t0, timeouts = time.perf_counter(), verify_timeouts()
         samples = self.rollouts.generate(self.eval_prompts, 1, temperature=0.0, seed=None)
         correct = self.correct(samples)
         records = eval_records(samples, correct)
@@ -484,6 +486,7 @@ class Trainer:
             self.console.print(sample_line(step, r))
         restating = sum(r["restates_prompt"] for r in records) / len(records)
         out = {"eval/accuracy": sum(correct) / len(correct), "eval/restate_frac": restating,
+               "eval/verify_timeouts": verify_timeouts() - timeouts,
                "time/eval_s": time.perf_counter() - t0}
         if self.cfg.env.name:
             out.update(eval_episode_metrics(samples))
@@ -491,7 +494,7 @@ class Trainer:
 
     def correct(self, samples: list) -> list[bool]:
         """Whether each sample is correct by the task's verifier (accuracy metrics)."""
-        return [is_correct(self.task.verifier_fn, s.prompt_text, s.completion_text, s.metadata) for s in samples]
+        return verdicts(self.task.verifier_fn, [(s.prompt_text, s.completion_text, s.metadata) for s in samples])
 
     def _to_batch(self, scored: list[ScoredSample]) -> TrainBatch:
         return samples_to_batch([x.sample for x in scored], self.pad_id, self.cfg.algorithm.mask_truncated)

@@ -141,13 +141,15 @@ _LATEX_FRAC = re.compile(r"\\[dtc]?frac\s*\{\s*(-?[0-9]+)\s*\}\s*\{\s*([0-9]+)\s
 _LATEX_FRAC_SHORT = re.compile(r"\\([dtc]?frac)\s*(?:([0-9])\s*([0-9])|([0-9])\s*(\{[^{}]*\})|(\{[^{}]*\})\s*([0-9]))")
 _LATEX_TEXT = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
 _LATEX_NOISE = re.compile(r"\\[(),!;\[\]]|\\left|\\right|\$|\\%")
-_LATEX_OPS = {r"\approx": "=", "≈": "=", r"\times": "*", r"\cdot": "*", r"\div": "/", r"\pm": "+", "×": "*", "÷": "/", "−": "-", "·": "*"}
+_LATEX_OPS = {r"\approx": "=", "≈": "=",
+              r"\times": "*", r"\cdot": "*", r"\div": "/", r"\pm": "+", "×": "*", "÷": "/", "−": "-", "·": "*"}
 _DIGIT_GROUP = re.compile(r"(?<=[0-9])\s*(?:\{\s*,\s*\}|,\s*\\!|\\,|\\ |~|\u2009|\u202f)\s*(?=[0-9]{3}(?![0-9]))")
 _NUMERAL = re.compile(r"(?<![0-9.,])(?:(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)(?![0-9])")
 _TRAILING_PAREN = re.compile(r"\s*\([^()]*\)[\s.!]*$")
 _OPERATOR_BEFORE = re.compile(r"(?:[0-9)]\s*(?:[-+*/^x])|[+*/^])\s*$")
 _SIGN_BEFORE = re.compile(r"-\s*$")
-_LIST_BEFORE = re.compile(r"[0-9)]\s*(?:,|;|/|\||\bor\b|\band\b|\bthen\b|\bto\b|\.\.\.|…)?\s*$", re.I)
+_LIST_BEFORE = re.compile(r"[0-9)]\s*(?:,|;|/|\||\bor\b|\band\b|\bthen\b|\bto\b|\.\.\.|…)?"
+                          r"(?:\s*\b(?:maybe|perhaps|possibly|probably)\b)?\s*$", re.I)
 _OPERATOR_AFTER = re.compile(r"^\s*(?:\*\*|[-+*/^]|x\s*[0-9(])")
 _GLUED_BEFORE = re.compile(r"(?:[A-Za-z_\\]|[{}^]\s*)$")  # AZYUK2, x2, \frac{1+\sqrt{5}}{2}, 10^{10}
 _GLUED_AFTER = re.compile(r"^(?:\s*[{}^_]|[A-Z]|,[0-9])")  # 2A, 2^{10}, 1000,99 (a decimal comma)
@@ -228,7 +230,8 @@ def numbers_equal(answer: FinalAnswer, expected: Fraction) -> bool:
 # ---- 3. expressions ---------------------------------------------------------------------------------------------
 
 _WORD = re.compile(r"[A-Za-z]{3,}")
-_LATEX_WORDS = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox|operatorname|begin|end)\s*\{[^{}]*\}|\\[A-Za-z]+")
+_LATEX_WORDS = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox|operatorname|begin|end)\s*\{[^{}]*\}"
+                          r"|\\[A-Za-z]+")
 
 
 def final_expression(region: str) -> FinalAnswer | None:

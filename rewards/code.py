@@ -47,6 +47,7 @@ def preflight(**params) -> None:
 
 
 code_reward.preflight = preflight
+code_reward.bounds_itself = True  # the program runs in a sandbox with its own time and memory limits
 
 
 def _limits(params: dict) -> SandboxLimits:

@@ -8,12 +8,14 @@ import path ``package.module:function``.
 from __future__ import annotations
 
 import importlib
+import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from rewards.answers import MAX_COMPLETION_CHARS, answer_regions, final_text, matches
 from workers.registry import Registry
 
+log = logging.getLogger("fleetrl.reward")
 RewardFn = Callable[[str, str, dict], "float | dict[str, float]"]
 REWARD_FUNCTIONS = Registry("reward function")
 register_reward = REWARD_FUNCTIONS.register
@@ -77,6 +79,37 @@ def is_correct(verifier: RewardFn, prompt: str, completion: str, metadata: dict)
     if isinstance(value, dict):
         return bool(value) and all(v >= 1.0 for v in value.values())
     return value >= 1.0
+
+
+def verdicts(verifier: RewardFn, items: Sequence[tuple[str, str, dict]]) -> list[bool]:
+    """:func:`is_correct` of every ``(prompt, completion, metadata)``, each call under the hard time and memory limit
+    of :mod:`rewards.bounded` (the process's shared pool): a call past it is wrong, counted in the pool's
+    ``timeouts`` and logged once. Every correctness decision of the driver goes through here."""
+    from rewards.bounded import shared_pool
+
+    outs = shared_pool().map((is_correct,), [(0, (verifier, p, c, m)) for p, c, m in items],
+                             describe=lambda args: args[2])
+    failed = next((o for o in outs if o.status == "error"), None)
+    if failed is not None:
+        log.warning("the verifier %s raised (scored as wrong): %s", getattr(verifier, "__name__", verifier),
+                    str(failed.value).splitlines()[0])
+    return [o.ok and bool(o.value) for o in outs]
+
+
+def answer_keys(key_fn: Callable[[str], str | None], texts: Sequence[str]) -> list[str | None]:
+    """``key_fn`` (a task's ``answer_key``) of every text for majority voting, under the same limit as
+    :func:`verdicts`: a text past it states no answer."""
+    from rewards.bounded import shared_pool
+
+    outs = shared_pool().map((key_fn,), [(0, (t,)) for t in texts], describe=lambda args: args[0])
+    return [o.value if o.ok else None for o in outs]
+
+
+def verify_timeouts() -> int:
+    """Correctness decisions stopped at the limit so far in this process (``eval/verify_timeouts``)."""
+    from rewards.bounded import shared_pool
+
+    return shared_pool().timeouts
 
 
 # Modules holding more built-ins (imported on first lookup, so importing this module stays light).

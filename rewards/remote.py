@@ -40,6 +40,9 @@ def remote_reward(prompt: str, completion: str, metadata: dict, url: str = "", t
     return parse_response(url, _post(url, payload, timeout_s, retries, backoff_s))
 
 
+remote_reward.bounds_itself = True  # I/O: per-attempt HTTP timeouts, run on the reward actor's threads
+
+
 def _post(url: str, payload: dict, timeout_s: float, retries: int, backoff_s: float) -> httpx.Response:
     """POST with retries on transport errors and 5xx; returns the first 2xx response."""
     last = ""

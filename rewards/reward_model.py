@@ -117,14 +117,15 @@ def _policy_groups(policy_path: str, prompts, k: int, seed: int, max_new_tokens:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rewards.functions import math_reward
+    from rewards.functions import math_reward, verdicts
 
     tokenizer = AutoTokenizer.from_pretrained(policy_path)
     policy = AutoModelForCausalLM.from_pretrained(policy_path).eval()
     gen = torch.Generator().manual_seed(seed)
     texts = _sample_completions(policy, tokenizer, [p.text for p in prompts for _ in range(k)], max_new_tokens, gen)
-    return [[(p.text, texts[i * k + j], math_reward(p.text, texts[i * k + j], p.metadata) > 0) for j in range(k)]
-            for i, p in enumerate(prompts)]
+    ok = verdicts(math_reward, [(p.text, texts[i * k + j], p.metadata)
+                                for i, p in enumerate(prompts) for j in range(k)])
+    return [[(p.text, texts[i * k + j], ok[i * k + j]) for j in range(k)] for i, p in enumerate(prompts)]
 
 
 @contextlib.contextmanager

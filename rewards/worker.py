@@ -1,19 +1,22 @@
 """`reward-i` Ray actors: score batches of (prompt, completion, metadata) with the configured functions.
 
-A function that raises or runs past ``reward.timeout_s`` scores 0 and is counted in ``reward/errors``
-(the first traceback is logged); with ``reward.strict`` it is fatal instead. Scoring is concurrent over a
-thread pool, so one slow call does not hold up the batch.
+Every call runs under a hard limit (:mod:`rewards.bounded`): in a small pool of worker processes, killed and
+replaced past ``reward.timeout_s`` (counted in ``reward/timeouts``, the completion logged), with their memory capped
+at ``reward.memory_mb``. Functions that bound themselves (``remote``: HTTP timeouts; ``code``: its sandbox) run on
+the actor's threads instead. A call that raises scores 0 and is counted in ``reward/errors`` (the first
+traceback is logged); with ``reward.strict`` a raise or a timeout is fatal instead.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from rewards.bounded import DEFAULT_MEMORY_MB, BoundedPool, Outcome
 from rewards.functions import load_reward_function
 from workers.actor_logs import LoggedActor
 
@@ -28,6 +31,14 @@ class ScoreResult:
     components: dict[str, float]
 
 
+class ScoreBatch(NamedTuple):
+    """A batch's scores, the calls that raised, and the calls stopped at the time limit."""
+
+    results: list[ScoreResult]
+    errors: int
+    timeouts: int
+
+
 class RewardFunctionError(RuntimeError):
     """Raised in strict mode when a reward function fails."""
 
@@ -35,7 +46,8 @@ class RewardFunctionError(RuntimeError):
 class RewardWorker(LoggedActor):
     """Plain class; the orchestrator wraps it with ``ray.remote`` (so it is testable without Ray)."""
 
-    def __init__(self, specs: list[tuple[str, float, dict]], timeout_s: float, strict: bool, max_threads: int = 8):
+    def __init__(self, specs: list[tuple[str, float, dict]], timeout_s: float, strict: bool, max_threads: int = 8,
+                 processes: int = 2, memory_mb: int = DEFAULT_MEMORY_MB):
         """``specs``: (name, weight, params) per function; params are bound as keyword arguments."""
         self._start_logging()
         self.fns = [(name, functools.partial(load_reward_function(name), **params), weight)
@@ -44,50 +56,82 @@ class RewardWorker(LoggedActor):
             getattr(fn.func, "preflight", lambda **_: None)(**fn.keywords)
         self.timeout_s = timeout_s
         self.strict = strict
-        self.errors = 0
-        self.scored = 0
+        self.errors = self.timeouts = self.scored = 0
         self._logged = False
-        self.pool = ThreadPoolExecutor(max_workers=max_threads)
+        self.threads = ThreadPoolExecutor(max_workers=max_threads)
+        self.bounded = BoundedPool(processes, timeout_s, memory_mb)
 
-    def score(self, items: list[tuple[str, str, dict]]) -> tuple[list[ScoreResult], int]:
-        """Score every item; returns the results and the number of failed calls in this batch."""
-        futures = [[self.pool.submit(fn, p, c, m) for _, fn, _ in self.fns] for p, c, m in items]
-        results, errors = [], 0
-        for fut_row in futures:
+    def score(self, items: list[tuple[str, str, dict]]) -> ScoreBatch:
+        """Score every item: the results, and how many calls raised or were stopped at the limit."""
+        outcomes = self._outcomes(items)
+        results, errors, timeouts = [], 0, 0
+        for i in range(len(items)):
             comps: dict[str, float] = {}
             total = 0.0
-            for (name, _, weight), fut in zip(self.fns, fut_row):
-                values, ok = self._value(name, fut)
-                errors += not ok
+            for f, (name, _, weight) in enumerate(self.fns):
+                values, status = self._value(name, outcomes[f][i])
+                errors += status == "error"
+                timeouts += status == "timeout"
                 for key, v in values.items():
                     comps[key] = v
                     total += weight * v
             results.append(ScoreResult(reward=total, components=comps))
         self.errors += errors
+        self.timeouts += timeouts
         self.scored += len(items)
-        return results, errors
+        return ScoreBatch(results, errors, timeouts)
 
-    def _value(self, name: str, fut) -> tuple[dict[str, float], bool]:
+    def _outcomes(self, items: list[tuple[str, str, dict]]) -> list[list[Outcome]]:
+        """Per function, the outcome of its call on every item: bounded functions in the process pool, the ones
+        that bound themselves on threads."""
+        bounded = [f for f, (_, fn, _) in enumerate(self.fns) if not getattr(fn.func, "bounds_itself", False)]
+        futures = {f: [self.threads.submit(fn, *item) for item in items]
+                   for f, (_, fn, _) in enumerate(self.fns) if f not in bounded}
+        calls = [(j, item) for j in range(len(bounded)) for item in items]
+        flat = self.bounded.map([self.fns[f][1] for f in bounded], calls) if calls else []
+        out = {f: flat[j * len(items):(j + 1) * len(items)] for j, f in enumerate(bounded)}
+        out.update({f: [self._wait(fut) for fut in futs] for f, futs in futures.items()})
+        return [out[f] for f in range(len(self.fns))]
+
+    def _wait(self, fut) -> Outcome:
         try:
-            out = fut.result(timeout=self.timeout_s)
-            if isinstance(out, dict):
-                return {f"{name}/{k}": float(v) for k, v in out.items()}, True
-            return {name: float(out)}, True
+            return Outcome("ok", fut.result(timeout=self.timeout_s))
         except FutureTimeout:
-            err = brief = f"reward function {name!r} timed out after {self.timeout_s}s"
+            return Outcome("timeout")
         except Exception as e:  # noqa: BLE001 - a user's reward function may raise anything
-            err = f"reward function {name!r} raised:\n{traceback.format_exc()}"
-            brief = f"reward function {name!r} raised {type(e).__name__}: {e}"
+            import traceback
+
+            return Outcome("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+
+    def _value(self, name: str, outcome: Outcome) -> tuple[dict[str, float], str]:
+        if outcome.ok:
+            try:
+                out = outcome.value
+                if isinstance(out, dict):
+                    return {f"{name}/{k}": float(v) for k, v in out.items()}, "ok"
+                return {name: float(out)}, "ok"
+            except (TypeError, ValueError) as e:
+                outcome = Outcome("error", f"{type(e).__name__}: returned {outcome.value!r}, not a number")
+        if outcome.status == "timeout":
+            err = brief = f"reward function {name!r} timed out after {self.timeout_s}s"
+        else:
+            err = f"reward function {name!r} raised:\n{outcome.value}"
+            brief = f"reward function {name!r} raised {str(outcome.value).splitlines()[0]}"
         if self.strict:
             log.error("%s (reward.strict=true makes this fatal)", err)
             raise RewardFunctionError(f"{brief} (reward.strict=true makes this fatal; the traceback is in this "
                                       "actor's log)")
-        if not self._logged:
+        if outcome.status == "error" and not self._logged:
             log.error("%s (scored 0; further errors are only counted)", err)
             self._logged = True
-        return {name: 0.0}, False
+        return {name: 0.0}, outcome.status
+
+    def close(self) -> None:
+        """Stop the worker processes (they also die with this actor)."""
+        self.bounded.close()
 
     def stats(self) -> dict:
         import os
 
-        return {"errors": self.errors, "scored": self.scored, "pid": os.getpid()}
+        return {"errors": self.errors, "timeouts": self.timeouts, "scored": self.scored, "pid": os.getpid(),
+                "processes": [w.proc.pid for w in self.bounded.workers]}

@@ -38,7 +38,7 @@ from rewards.constitution import (
     preference_from_orders,
     preference_question,
 )
-from rewards.functions import is_correct, load_reward_function
+from rewards.functions import load_reward_function, verdicts
 from rewards.judge import Judge, applicable, as_messages
 from rewards.tasks import Prompt
 
@@ -54,7 +54,7 @@ def rule_satisfied(principle: Principle, messages: list[dict], response: str, me
 
 def satisfaction(task, prompts: list[Prompt], responses: list[str]) -> float:
     """Share of responses that pass every rule check of their prompt (the task's verifier)."""
-    ok = [is_correct(task.verifier_fn, "", r, p.metadata) for p, r in zip(prompts, responses)]
+    ok = verdicts(task.verifier_fn, [("", r, p.metadata) for p, r in zip(prompts, responses)])
     return sum(ok) / max(len(ok), 1)
 
 

@@ -38,7 +38,7 @@ def teacher_data(cfg: FleetConfig, out: Path) -> dict:
     from orchestrator.launch import make_task, max_model_len
     from orchestrator.pools import RewardPool, RolloutPool, wait_ready
     from orchestrator.recipes.rft import keep_verified
-    from rewards.functions import is_correct
+    from rewards.functions import verdicts
 
     tree = cfg.model_dump()
     tree["model"]["path"] = str(check_teacher(cfg))
@@ -54,9 +54,9 @@ def teacher_data(cfg: FleetConfig, out: Path) -> dict:
     finally:
         for w in rollouts.workers + rewards.workers:
             ray.kill(w, no_restart=True)
-    correct = [is_correct(task.verifier_fn, s.prompt_text, s.completion_text, s.metadata) for s in samples]
-    kept = [x for x in keep_verified(scored, cfg.rft.threshold)
-            if is_correct(task.verifier_fn, x.sample.prompt_text, x.sample.completion_text, x.sample.metadata)]
+    correct = verdicts(task.verifier_fn, [(s.prompt_text, s.completion_text, s.metadata) for s in samples])
+    right = {id(x) for x, ok in zip(scored, correct) if ok}
+    kept = [x for x in keep_verified(scored, cfg.rft.threshold) if id(x) in right]
     if not kept:
         raise RuntimeError(f"distill: the teacher {cfg.distill.teacher} answered none of {len(prompts)} prompts "
                            "correctly; nothing to distill")

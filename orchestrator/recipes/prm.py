@@ -60,7 +60,7 @@ def run_label(cfg: FleetConfig, out: str) -> dict:
     """Label the policy's solutions (see the module doc); returns the summary written to ``label.json``."""
     from orchestrator.launch import init_ray, load_tokenizer, make_task, max_model_len
     from orchestrator.pools import RolloutPool, wait_ready
-    from rewards.functions import is_correct
+    from rewards.functions import verdicts
     from rewards.tasks import step_truth
 
     task, sep, p = make_task(cfg), step_separator(cfg), cfg.prm
@@ -90,11 +90,12 @@ def run_label(cfg: FleetConfig, out: str) -> dict:
         s, steps = solved[i]
         prefix = "".join(text for _, text in steps[: k + 1])
         group = conts[j * p.continuations: (j + 1) * p.continuations]
-        outcomes[(i, k)] = [is_correct(task.verifier_fn, s.prompt_text, prefix + c.completion_text, s.metadata)
-                            for c in group]
+        outcomes[(i, k)] = verdicts(task.verifier_fn, [(s.prompt_text, prefix + c.completion_text, s.metadata)
+                                                       for c in group])
     rows = []
+    final = verdicts(task.verifier_fn, [(s.prompt_text, s.completion_text, s.metadata) for s, _ in solved])
     for i, (s, steps) in enumerate(solved):
-        ok = is_correct(task.verifier_fn, s.prompt_text, s.completion_text, s.metadata)
+        ok = final[i]
         soft, hard = mc_labels([outcomes[(i, k)] for k in range(len(steps) - 1)] + [[ok]])
         row = {"uid": s.prompt_uid, "prompt": s.prompt_text, "steps": [t for _, t in steps], "soft": soft,
                "hard": hard, "correct": ok}

@@ -31,7 +31,7 @@ from pathlib import Path
 from orchestrator.config import ConfigError, FleetConfig
 from orchestrator.search.methods import Node, backup, best_index, majority_vote, select_leaf, top_k
 from rewards.answers import vote_key
-from rewards.functions import is_correct
+from rewards.functions import answer_keys, verdicts
 from rewards.prm import AGGREGATIONS, aggregate
 
 log = logging.getLogger("fleetrl")
@@ -114,7 +114,7 @@ class Searcher:
     def majority(self, prompts, budget: int) -> list[Solution]:
         out = []
         for sols in self._solutions(prompts, budget):
-            pick = majority_vote([self.answer_key(s.text) for s in sols])
+            pick = majority_vote(answer_keys(self.answer_key, [s.text for s in sols]))
             out.append(replace(sols[0 if pick is None else pick], tokens=sum(s.tokens for s in sols)))
         return out
 
@@ -302,8 +302,8 @@ def run_search(cfg: FleetConfig, checkpoint: str | None, methods: list[str], bud
         for budget in ([1] if method == "greedy" else budgets):
             t0 = time.perf_counter()
             sols = searcher.run(method, prompts, budget)
-            ok = [is_correct(task.verifier_fn, searcher.prompt_text(p), s.text, p.metadata)
-                  for p, s in zip(prompts, sols)]
+            ok = verdicts(task.verifier_fn, [(searcher.prompt_text(p), s.text, p.metadata)
+                                             for p, s in zip(prompts, sols)])
             row = {"budget": budget, "accuracy": sum(ok) / len(ok),
                    "tokens_per_problem": sum(s.tokens for s in sols) / len(sols),
                    "seconds": round(time.perf_counter() - t0, 2)}
