@@ -8,8 +8,8 @@ replaced; a worker's address space is capped at ``memory_mb`` (a call that excee
 there). A call past a limit is an :class:`Outcome` with ``status`` ``"timeout"`` (or ``"error"``), never a hang.
 
 Protocol: each worker is ``python -m rewards.bounded``, reading pickled ``(functions, [(index, fn_index, args)])``
-chunks on stdin and writing one pickled ``(index, status, value)`` frame per call on stdout (the functions'
-own prints go to stderr). Frames are length-prefixed.
+chunks on stdin and writing a pickled ``[(index, status, value)]`` on stdout as each call ends, so the first
+unanswered call is the one running (the functions' own prints go to stderr). Frames are length-prefixed.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MEMORY_MB = 2048
 START_TIMEOUT_S = 120.0
 """How long a new worker may take to import math-verify and say it is ready (a loaded 2-core machine)."""
-CHUNK = 16
+CHUNK = 32
 """Calls sent to a worker at a time (one pipe round trip per chunk, not per call)."""
 SLOW_S = 0.5
 """A call running longer than this hands the rest of its worker's chunk back to the queue, and the pool may start
@@ -70,7 +70,7 @@ class _Worker:
         self.pending: list[int] = []  # call indices sent, in order, not yet answered
         self.deadline = time.monotonic() + START_TIMEOUT_S
         self.started = 0.0  # when the current call began
-        self.retire = False
+        self.shared = False  # its later calls were handed to other workers
 
     @property
     def idle(self) -> bool:
@@ -143,30 +143,33 @@ class BoundedPool:
         self.workers += [self._new_worker() for _ in range(self.n - len(self.workers))]
 
     def _run(self, fns: tuple, calls: list, describe: Callable) -> list[Outcome]:
-        results: list[Outcome | None] = [None] * len(calls)
-        queue = [(i, f, args) for i, (f, args) in enumerate(calls)]
-        queue.reverse()  # popped from the end: first calls first
-        while queue or any(w.pending for w in self.workers):
+        batch = _Batch(fns, calls, describe)
+        while batch.open:
             for w in self.workers:
-                if w.idle and queue:
-                    chunk = [queue.pop() for _ in range(min(CHUNK, len(queue)))]
+                chunk = batch.take(CHUNK) if w.idle else []
+                if chunk:
                     w.send(fns, chunk, self.timeout_s)
-            self._wait(fns, calls, results, queue, describe)
-            self._unblock(calls, queue)
+            self._wait(batch)
+            self._unblock(batch)
+        for w in self.workers:  # still holding calls answered elsewhere: its pipe is stale
+            if w.pending:
+                self._replace(w, batch, None)
         self._shrink()
         self.calls += len(calls)
-        return results  # type: ignore[return-value]
+        return batch.results  # type: ignore[return-value]
 
-    def _unblock(self, calls: list, queue: list) -> None:
-        """A worker slow on one call gives its other calls back; with calls waiting and no worker free or
-        starting, one more worker starts (up to ``max_workers``)."""
+    def _unblock(self, batch: _Batch) -> None:
+        """A worker slow on one call hands its later calls to the others (it still runs them: the first answer
+        counts); with calls waiting, a worker stuck and none free or starting, one more starts (up to
+        ``max_workers``)."""
         now = time.monotonic()
-        for w in self.workers:
-            if len(w.pending) > 1 and now - w.started > SLOW_S:
-                queue.extend((i, calls[i][0], calls[i][1]) for i in reversed(w.pending[1:]))
-                w.pending = w.pending[:1]
-                w.retire = True  # it still holds those calls: replaced once its slow one ends
-        if queue and not any(w.idle or not w.ready for w in self.workers) and len(self.workers) < self.max_workers:
+        stuck = [w for w in self.workers if w.pending and now - w.started > SLOW_S]
+        for w in stuck:
+            if not w.shared and len(w.pending) > 1:
+                batch.requeue(w.pending[1:])
+                w.shared = True
+        if batch.queue and stuck and not any(w.idle or not w.ready for w in self.workers) \
+                and len(self.workers) < self.max_workers:
             self.workers.append(self._new_worker())
 
     def _shrink(self) -> None:
@@ -175,52 +178,45 @@ class BoundedPool:
             extra.kill()
             self.workers.remove(extra)
 
-    def _wait(self, fns: tuple, calls: list, results: list, queue: list, describe: Callable) -> None:
+    def _wait(self, batch: _Batch) -> None:
         """Read what the workers answered within the nearest deadline; replace a worker past its deadline (its
         current call times out; the calls it had not begun go back to the queue) or dead."""
-        now = time.monotonic()
         busy = [w for w in self.workers if w.pending or not w.ready]
-        wait = max(0.0, min(w.deadline for w in busy) - now) if busy else 0.0
+        wait = max(0.0, min(w.deadline for w in busy) - time.monotonic()) if busy else 0.0
         readable, _, _ = select.select([w.fd for w in busy], [], [], wait)
         for w in list(self.workers):
             try:
                 frames = w.frames() if w.fd in readable else []
             except EOFError:
-                self._replace(w, calls, results, queue, describe, "error")
+                self._replace(w, batch, Outcome("error", f"the worker process died (exit code {w.proc.poll()})"))
                 continue
             for frame in frames:
                 if frame == "ready":
                     w.ready = True
                     continue
-                index, status, value = frame
-                if results[index] is None:
-                    results[index] = Outcome(status, value)
-                if index in w.pending:
+                for index, status, value in frame:
+                    batch.resolve(index, Outcome(status, value))
                     w.pending.remove(index)
                 w.started = time.monotonic()
                 w.deadline = w.started + self.timeout_s
             if (w.pending or not w.ready) and time.monotonic() > w.deadline:
-                self._replace(w, calls, results, queue, describe, "timeout")
-            elif w.retire and not w.pending:
-                self._replace(w, calls, results, queue, describe, "retired")
+                self._replace(w, batch, Outcome("timeout"))
 
-    def _replace(self, w: _Worker, calls: list, results: list, queue: list, describe: Callable,
-                 status: str) -> None:
+    def _replace(self, w: _Worker, batch: _Batch, outcome: Outcome | None) -> None:
+        """Kill ``w`` and start another; its running call gets ``outcome``, its later calls go back to the queue."""
         w.kill()
         self.workers[self.workers.index(w)] = self._new_worker()
-        if not w.pending:
-            if not w.ready and status != "retired":
-                log.error("a bounded worker did not start (exit code %s)", w.proc.returncode)
+        if not w.ready:
+            log.error("a bounded worker did not start within %.0f s (exit code %s)", START_TIMEOUT_S,
+                      w.proc.returncode)
+        if outcome is None or not w.pending:
             return
-        index, rest = w.pending[0], w.pending[1:]
-        if status == "timeout":
+        if batch.resolve(w.pending[0], outcome) and outcome.status == "timeout":
             self.timeouts += 1
             log.warning("a call ran past %.1f s and was stopped (scored as wrong): %r", self.timeout_s,
-                        describe(calls[index][1])[:PREVIEW_CHARS])
-            results[index] = Outcome("timeout")
-        else:
-            results[index] = Outcome("error", f"the worker process died (exit code {w.proc.returncode})")
-        queue.extend((i, calls[i][0], calls[i][1]) for i in reversed(rest))
+                        batch.describe(batch.calls[w.pending[0]][1])[:PREVIEW_CHARS])
+        if not w.shared:
+            batch.requeue(w.pending[1:])
 
     def close(self) -> None:
         with self._lock:
@@ -230,6 +226,40 @@ class BoundedPool:
             if self._spawner is not None:
                 self._spawner.shutdown()
                 self._spawner = None
+
+
+class _Batch:
+    """One :meth:`BoundedPool.map`: the calls, their outcomes so far (the first answer of a call counts), and the
+    queue of calls not yet sent (a call handed back may also still run on a slow worker)."""
+
+    def __init__(self, fns: tuple, calls: list, describe: Callable):
+        self.fns, self.calls, self.describe = fns, calls, describe
+        self.results: list[Outcome | None] = [None] * len(calls)
+        self.queue = list(range(len(calls)))[::-1]  # popped from the end: first calls first
+        self.unresolved = len(calls)
+
+    @property
+    def open(self) -> bool:
+        return self.unresolved > 0
+
+    def take(self, n: int) -> list[tuple]:
+        out = []
+        while self.queue and len(out) < n:
+            i = self.queue.pop()
+            if self.results[i] is None:
+                out.append((i, *self.calls[i]))
+        return out
+
+    def requeue(self, indices: list[int]) -> None:
+        self.queue.extend(i for i in reversed(indices) if self.results[i] is None)
+
+    def resolve(self, index: int, outcome: Outcome) -> bool:
+        """Record the call's outcome unless it has one; whether this one counts."""
+        if self.results[index] is not None:
+            return False
+        self.results[index] = outcome
+        self.unresolved -= 1
+        return True
 
 
 def _completion_of(args: tuple) -> str:
@@ -273,6 +303,8 @@ def _serve() -> None:
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # a function's print() must not corrupt the frames
     _limit_self(int(os.environ.get("FLEETRL_BOUNDED_MEMORY_MB", DEFAULT_MEMORY_MB)))
+    # math-verify warns on every call that its own signal timeout is off: this process is the timeout
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
     import rewards.answers  # noqa: F401 - warm: math-verify and sympy imported before the first deadline
     from rewards.answers import parse_math
 
@@ -290,7 +322,7 @@ def _serve() -> None:
             return
         fns, calls = pickle.loads(stdin.read(struct.unpack("<Q", head)[0]))
         for index, f, args in calls:
-            write((index, *_call(fns[f], args)))
+            write([(index, *_call(fns[f], args))])  # before the next call begins: the deadline is that call's
 
 
 def _call(fn: Callable, args: tuple) -> tuple[str, object]:
