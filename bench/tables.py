@@ -173,6 +173,20 @@ def lora(result: dict) -> str:
             f"dropped, medians.\n\n{markdown_table(headers, rows)}\n")
 
 
+def verify_throughput(result: dict) -> str:
+    """docs section 12: the final-answer rule's completions per second, before/after, in-process and bounded."""
+    rows = []
+    for key, label in (("before_in_process", "rule before issue 41, in-process (no limit)"),
+                       ("in_process", "rule now, in-process (no limit)"),
+                       ("bounded_pool", "rule now, bounded pool (2 processes; the driver and reward actors)")):
+        if key in result:
+            r = result[key]
+            rows.append([label, r["seconds"], r["per_s"], r["paid"]])
+    table = markdown_table(["rule and path", "seconds", "completions/s", "paid (of the same completions)"], rows)
+    load = ", ".join(f"{x:.2f}" for x in result["meta"]["loadavg_1_5_15min"])
+    return f"{provenance(result['meta'])} {result['n']} completions; load average at the end {load}.\n\n{table}\n"
+
+
 def readme_end_to_end(result: dict) -> str:
     """README: the generation-heavy row of section 2 in one line, with its machine."""
     runs = {r["system"]: r for r in result["gen_heavy"]["runs"]}
@@ -195,6 +209,7 @@ TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "lora": ("lora.json", lora),
     "lora_accuracy": ("smollm2_demo_lora.json", lora_accuracy),
     "readme_end_to_end": ("end_to_end.json", readme_end_to_end),
+    "verify_throughput": ("verify_throughput.json", verify_throughput),
 }
 """Table name -> (result file in bench/results, renderer)."""
 DOCS = [DOC, Path("README.md")]

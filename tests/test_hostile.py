@@ -45,6 +45,29 @@ def test_right_answers_in_every_accepted_form_score_1(completion, reference):
     assert REWARD_FUNCTIONS["math"](ADD, completion, {"answer": reference}) == 1.0
 
 
+@pytest.mark.parametrize("completion,reference", [
+    ("**159**", "159"), ("The answer is **159**.", "159"), ("64 + 95 = **159**", "159"), ("**Answer:** 159", "159"),
+    ("\\boxed{14{,}916}", "14916"), ("$\\frac13$", "1/3"), (".4", "0.4"), ("\\boxed{\\text{Evelyn}}", "\\text{Evelyn}"),
+    ("Therefore $\\frac{6}{8}$", "\\frac{3}{4}"),
+    ("So \\boxed{64} is the first number. Final Answer: The final answer is $159$. I hope it is correct.", "159"),
+    ("### Final Answer\n\\boxed{159}", "159"), ("*159*", "159"), ("$\\boxed{11,\\! 111}$", "11111"),
+    ("\\boxed{1}, \\boxed{2}", "\\{1, 2\\}"), ("0.333333", "1/3"),
+])
+def test_issue_41_right_answers_in_the_forms_chat_models_write(completion, reference):
+    """Each scored 0 under the rule before issue 41 (markdown read as multiplication, the box before an explicit
+    final statement, LaTeX digit groups, shorthand fractions, unreduced fractions, sets as one box per element)."""
+    assert REWARD_FUNCTIONS["math"](ADD, completion, {"answer": reference}) == 1.0
+
+
+@pytest.mark.parametrize("completion,reference", [
+    ("$\\frac{1+\\sqrt{5}}{2}$", "2"), ("AZYUK2A", "2"), ("x2", "2"), ("$10^{10}$", "10"), ("1000,99", "1000"),
+    ("\\boxed{318/2}", "159"), ("Reduce 6/8: 6/8", "\\frac{3}{4}"), ("158 or maybe 159", "159"), ("0.333", "1/3"),
+])
+def test_issue_41_wrong_answers_are_not_paid(completion, reference):
+    """The first two were paid under the rule before issue 41 (the denominator, a digit inside a word)."""
+    assert REWARD_FUNCTIONS["math"]("Reduce 6/8.", completion, {"answer": reference}) == 0.0
+
+
 ENORMOUS = "1 " * 60_000 + "159"
 MATH_HOSTILE = [
     "What is 64 + 95?",  # the prompt restated
