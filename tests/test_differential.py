@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from fractions import Fraction
 
 import pytest
 
@@ -148,7 +147,6 @@ def test_every_deliberate_class_is_one_math_verify_pays():
 def test_the_forms_cover_rights_and_wrongs():
     verdicts = [grader_verdict(c, r) for k, c, r in cases() if k == "form"]
     assert 0.3 < sum(verdicts) / len(verdicts) < 0.95 and len(verdicts) > 500
-    assert Fraction(14916) and len(DELIBERATE) == 4
 
 
 if __name__ == "__main__":
