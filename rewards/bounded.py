@@ -84,7 +84,7 @@ class _Worker:
         self.deadline = self.started + timeout_s
 
     def frames(self) -> list:
-        """The complete frames readable now (empty at EOF: check :meth:`alive`)."""
+        """The complete frames readable now; ``EOFError`` when the process closed its end (it died)."""
         chunk = os.read(self.fd, 1 << 20)
         if not chunk:
             raise EOFError
