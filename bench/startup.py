@@ -104,7 +104,7 @@ def profile() -> dict:
 
     from orchestrator.config import load_config
     from orchestrator.console import Console
-    from orchestrator.launch import init_ray, max_model_len
+    from orchestrator.launch import init_ray
     from orchestrator.trainer import Trainer
     lap("driver imports")
     run_dir = (RUNS_DIR / "startup-profile").resolve()
@@ -116,9 +116,9 @@ def profile() -> dict:
     lap("ray.init (a private local instance)")
     import ray
 
-    from orchestrator.pools import LearnerGroup, RewardPool, RolloutPool
-    groups = {"learner ranks": LearnerGroup(cfg), "vLLM engines": RolloutPool(cfg, max_model_len(cfg)),
-              "reward actor": RewardPool(cfg)}
+    from orchestrator.fleet import Fleet, Roles
+    fleet = Fleet(cfg, Roles(learner=True, rollout=True, reward=True))  # created, not waited for
+    groups = {"learner ranks": fleet.learner, "vLLM engines": fleet.rollouts, "reward actor": fleet.rewards}
     lap("actors created (placement group, spawn)")
     pending = {name: g.ready() for name, g in groups.items()}
     ready = {}

@@ -20,6 +20,7 @@ def _parser() -> argparse.ArgumentParser:
         if name == "config":
             sp.add_argument("action", choices=["show", "docs"], help="show: resolved YAML; docs: reference table")
         sp.add_argument("-c", "--config", help="YAML config file")
+        sp.add_argument("--stage", help="with a pipeline recipe as -c: the stage (its name) whose config to use")
         if name == "train":
             sp.add_argument("--resume", help="'auto' (newest complete checkpoint of run.dir) or a checkpoint dir")
             sp.add_argument("--verbose", action="store_true", help="also show every actor's and engine's output "
@@ -96,6 +97,7 @@ def _cluster_command(args) -> int:
 def _eval_parsers(sub) -> None:
     ev = sub.add_parser("eval", help="greedy accuracy, pass@k and best-of-N of a checkpoint on the eval prompts")
     ev.add_argument("-c", "--config", help="YAML config file (task, dataset, engines, reward functions)")
+    ev.add_argument("--stage", help="with a pipeline recipe as -c: the stage (its name) whose config to use")
     ev.add_argument("--checkpoint", help="a run's final/, a checkpoint dir or an HF model dir (default with "
                     "--search: model.path)")
     ev.add_argument("--n", default="1,4,16", help="comma-separated k / N values (samples per prompt: the max)")
@@ -113,6 +115,7 @@ def _eval_parsers(sub) -> None:
                         "settings in the cai section, docs/cai.md")
     ca.add_argument("action", choices=["revise", "prefer"])
     ca.add_argument("-c", "--config", help="YAML config file (its data.task, cai section, engines)")
+    ca.add_argument("--stage", help="with a pipeline recipe as -c: the stage (its name) whose config to use")
     ca.add_argument("--n", type=int, required=True, help="prompts (rows)")
     ca.add_argument("--out", required=True, help="JSONL file to write")
     ca.add_argument("overrides", nargs="*", help="dotted overrides, e.g. cai.judge=rule")
@@ -126,15 +129,18 @@ def _eval_parsers(sub) -> None:
     train.add_argument("--resume", help="'auto' or a checkpoint dir")
     for sp in (label, train):
         sp.add_argument("-c", "--config", help="YAML config file (task, model, engines, prm.*)")
+        sp.add_argument("--stage", help="with a pipeline recipe as -c: the stage (its name) whose config to use")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. prm.continuations=16")
     rf = sub.add_parser("rft", help="rejection-sampling fine-tuning: keep verified-correct samples, SFT on them")
     rf.add_argument("-c", "--config", help="YAML config file")
+    rf.add_argument("--stage", help="with a pipeline recipe as -c: the stage (its name) whose config to use")
     rf.add_argument("--rounds", type=int, help="rounds (default: rft.rounds)")
     for name, help_ in (("sft", "supervised fine-tuning on sft.data (JSONL) on the learner group"),
                         ("distill", "a teacher (distill.teacher) answers training prompts, the verified answers are "
                          "kept, the student (model.path) is fine-tuned on them")):
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("-c", "--config", help="YAML config file")
+        sp.add_argument("--stage", help="with a pipeline recipe as -c: the stage (its name) whose config to use")
     for sp in (rf, *[sub.choices[n] for n in ("sft", "distill")]):
         sp.add_argument("--resume", help="'auto' (newest complete checkpoint of run.dir) or a checkpoint dir")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=8")
@@ -277,11 +283,10 @@ def _train(cfg: FleetConfig, resume: str | None) -> int:
     """`train`: a failure inside an actor is reported with the actor's name and its log file."""
     from orchestrator.console import describe_failure
     from orchestrator.pools import LearnerDied
-    from orchestrator.recipes import trainer_for
     from orchestrator.trainer import BadTraining, CheckpointFailed, run_training
 
     try:
-        run_training(cfg, resume=resume, trainer_cls=trainer_for(cfg))
+        run_training(cfg, resume=resume)
     except (LearnerDied, BadTraining, CheckpointFailed) as e:
         print(f"fleetrl: {e}", file=sys.stderr)
         return 1
@@ -292,6 +297,43 @@ def _train(cfg: FleetConfig, resume: str | None) -> int:
         print(f"fleetrl: {failed}\n  driver log: {Path(cfg.run.dir) / 'logs' / 'driver.log'}", file=sys.stderr)
         return 1
     return 0
+
+
+def load_run_config(path: str | None, overrides: list[str], stage: str | None) -> FleetConfig:
+    """A run config, or with ``--stage NAME`` that stage of a pipeline recipe; a recipe without ``--stage`` (or
+    ``--stage`` on a run config) is a ConfigError saying which to give."""
+    from orchestrator.recipes.pipeline import is_recipe, load_recipe
+
+    if not (path and is_recipe(path)):
+        if stage is not None:
+            raise ConfigError(f"--stage {stage}: {path or 'the defaults'} is a run config, not a pipeline recipe "
+                              "(it has no stages)")
+        return load_config(path, overrides)
+    stages = load_recipe(path, overrides)
+    names = [st.name for st in stages]
+    if stage is None:
+        raise ConfigError(f"{path} is a pipeline recipe (stages {', '.join(names)}): run it with `fleetrl pipeline "
+                          f"-c {path}`, or give one stage's config with --stage NAME")
+    if stage not in names:
+        raise ConfigError(f"--stage {stage!r}: {path} has the stages {names}")
+    return stages[names.index(stage)].cfg
+
+
+def show_config(path: str | None, overrides: list[str], stage: str | None) -> str:
+    """`config show`: the resolved config as YAML, after every check a run of it makes at load
+    (:func:`orchestrator.recipes.prepare`); a pipeline recipe without ``--stage``: every stage's, after the
+    pipeline's own checks."""
+    from orchestrator.recipes import prepare
+    from orchestrator.recipes.pipeline import check_inputs, is_recipe, load_recipe
+
+    if path and is_recipe(path) and stage is None:
+        stages = load_recipe(path, overrides)
+        check_inputs(stages)
+        return "".join(f"# stage {st.index}: {st.name} ({st.kind}), run dir {st.dir}\n{dump_config(st.cfg)}"
+                       for st in stages)
+    cfg = load_run_config(path, overrides, stage)
+    prepare(cfg)
+    return dump_config(cfg)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -341,10 +383,14 @@ def main(argv: list[str] | None = None) -> int:
             print(config_reference_markdown(), end="")
             return 0
         overrides = args.overrides + (["run.verbose=true"] if getattr(args, "verbose", False) else [])
-        cfg = load_config(args.config, overrides)
         if args.command == "config":
-            print(dump_config(cfg), end="")
+            print(show_config(args.config, overrides, args.stage), end="")
             return 0
+        cfg = load_run_config(args.config, overrides, args.stage)
+        if args.command == "train":
+            from orchestrator.recipes import prepare
+
+            prepare(cfg)  # before the model is built or any actor starts
         ensure_model(cfg)
         from rewards.reward_model import ensure_reward_model
 

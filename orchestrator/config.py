@@ -457,6 +457,16 @@ class FleetConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_row_pairs(self) -> FleetConfig:
+        """A (chosen, rejected) objective's batch geometry: every learner rank gets whole pairs."""
+        rows = self.data.prompts_per_step * self.rollout.group_size
+        if self.algorithm.objective in ("dpo", "bradley_terry") and (rows // self.learner.num_ranks) % 2:
+            raise ValueError(f"algorithm.name={self.algorithm.name} trains row pairs: data.prompts_per_step * "
+                             f"rollout.group_size ({rows}) must give each of learner.num_ranks="
+                             f"{self.learner.num_ranks} ranks an even number of rows")
+        return self
+
+    @model_validator(mode="after")
     def _check_async(self) -> FleetConfig:
         if self.rollout.mode == "one_step_off":
             if self.rollout.max_staleness < 1:
@@ -488,6 +498,11 @@ class FleetConfig(Section):
     def uses_reference(self) -> bool:
         """The learner keeps a frozen reference model (for a KL term, or to log KL)."""
         return self.algorithm.needs_reference() or self.learner.log_kl
+
+    @property
+    def uses_process_rewards(self) -> bool:
+        """Step rewards reach the advantages: ``grpo_process`` always, PPO when a PRM is configured."""
+        return self.algorithm.uses_step_rewards or bool(self.prm.path and self.algorithm.uses_critic)
 
     @property
     def sequences_per_step(self) -> int:

@@ -175,20 +175,13 @@ def _postfix(m: dict) -> str:
             f" {m.get('time/step_s', float('nan')):.2f}s/step")
 
 
-def banner(cfg, learner_ranks: int, rollout: int, reward: int, dashboard: str | None,
-           startup_s: float | None = None) -> list[str]:
-    """The lines printed once the actors are up: roles and counts, how long they took, and where to look."""
+def banner(cfg, actors: str, dashboard: str | None, startup_s: float | None = None) -> list[str]:
+    """The lines printed once the actors are up: roles and counts (:meth:`orchestrator.fleet.Fleet.describe`),
+    how long they took, and where to look."""
     run = Path(cfg.run.dir)
-    ranks = f"{learner_ranks} rank{'s' if learner_ranks != 1 else ''}"
-    roles = [f"{rollout} rollout (vLLM)", f"{reward} reward",
-             f"learner {ranks} (DeepSpeed ZeRO-{cfg.learner.zero_stage})"]
-    if cfg.algorithm.uses_critic:
-        roles.append(f"critic {ranks}")
-    if cfg.reward.model.path:
-        roles.append(f"{cfg.reward.model.num_workers} reward-model")
     lines = [
         f"fleetrl  {cfg.algorithm.name}, {cfg.trainer.total_steps} steps, model {cfg.model.path}",
-        f"  actors       {', '.join(roles)}"
+        f"  actors       {actors}"
         + (f"; up {startup_s:.1f} s after the config was loaded" if startup_s is not None else ""),
         f"  run dir      {run}  (metrics.jsonl, progress.png, final/)",
         f"  logs         {log_dir(run)}/<actor>.log, driver.log",

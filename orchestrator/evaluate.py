@@ -95,16 +95,16 @@ def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "re
         raise ConfigError("--select reward_model needs a reward model: set reward.model.path")
     cfg = cfg.model_copy(deep=True)
     cfg.model.path = str(resolve_model_dir(checkpoint))
-    from orchestrator.launch import init_ray, make_task, max_model_len
-    from orchestrator.pools import RewardPool, RolloutPool, wait_ready
+    from orchestrator.fleet import Fleet, Roles
+    from orchestrator.launch import init_ray, make_task
     from rewards.functions import verdicts, verify_timeouts
 
     task = make_task(cfg)
     prompts, verifier = task.eval_set(cfg.data.eval_size), task.verifier_fn
     init_ray(cfg)
     t0 = time.perf_counter()
-    rollouts, rewards = RolloutPool(cfg, max_model_len=max_model_len(cfg)), RewardPool(cfg)
-    wait_ready(rollouts, rewards)
+    fleet = Fleet.start(cfg, Roles(rollout=True, reward=True))
+    rollouts, rewards = fleet.rollouts, fleet.rewards
     n_max = max(ns)
     what = "tool episodes" if cfg.env.name else "completions"
     log.info("eval: %d greedy %s, then %d x %d sampled (%d engines)", len(prompts), what, len(prompts), n_max,

@@ -22,24 +22,14 @@ from learner.batch import TrainBatch, build_batch
 from orchestrator import checkpoint as ckpt
 from orchestrator.config import FleetConfig, dump_config
 from orchestrator.console import Console, banner, sample_line, slow_bf16_warning
-from orchestrator.controller import start_controller
 from orchestrator.episodes import drop_errored_groups, episode_metrics, eval_episode_metrics
-from orchestrator.launch import init_ray, load_tokenizer, make_task, max_model_len
+from orchestrator.fleet import Fleet, Roles, training_roles
+from orchestrator.launch import init_ray, load_tokenizer, make_task
 from orchestrator.metrics import MetricsLogger, PhaseTimer
-from orchestrator.pools import (
-    EnvPool,
-    LearnerDied,
-    LearnerGroup,
-    PRMPool,
-    RewardPool,
-    RolloutPool,
-    gather_metrics,
-    wait_ready,
-)
+from orchestrator.pools import LearnerDied, gather_metrics
 from orchestrator.run_status import RunStatus
 from orchestrator.samples import eval_records, restate_frac, shown, write_eval_samples
 from orchestrator.steps import process_separator, step_ends
-from orchestrator.weight_sync import make_weight_sync
 from rewards.functions import verdicts, verify_timeouts
 from workers.prompts import pad_token_id
 from workers.records import ScoredSample
@@ -62,17 +52,31 @@ class Trainer:
         self.version = 0
         self.start_step = 0
         self.prefetch = None  # one_step_off: the next step's batch, being generated and scored
+        self.engines_stale = False  # a supervised step updated the learner: push before the engines generate
         self.stop_requested = False  # `fleetrl stop`: end at the next step boundary
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
         self.resume_from = ckpt.resolve(resume, self.run_dir) if resume else None
         self.judge = None  # the `judge` reward (rewards/judge.py), checked before any actor starts
+        self.fleet: Fleet | None = None  # the actors (start)
+        self.status: RunStatus | None = None
         if cfg.judge_spec:
             from orchestrator.recipes.cai import reward_judge
 
             self.judge = reward_judge(cfg)
 
-    def start(self) -> None:
-        """Create the run directory and the actor groups (rollout, reward, learner)."""
+    @classmethod
+    def prepare(cls, cfg: FleetConfig) -> FleetConfig:
+        """The config this loop runs with, its inputs checked at load (see :func:`orchestrator.recipes.prepare`);
+        RL reads no file of its own (the task, rewards and judge are checked by the config)."""
+        return cfg
+
+    @classmethod
+    def roles(cls, cfg: FleetConfig) -> Roles:
+        """The actors this loop uses (:func:`orchestrator.fleet.training_roles`): RL generates every step."""
+        return training_roles(cfg, generates=True)
+
+    def start(self, fleet: Fleet | None = None) -> None:
+        """Create the run directory and start the loop's fleet (or use ``fleet``, started for this config)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
         if self.resume_from:
@@ -80,28 +84,14 @@ class Trainer:
         self.status = RunStatus(self.run_dir)
         self.metrics = MetricsLogger(self.run_dir, self.cfg.run.plot_every, keep_before=self.start_step,
                                      loggers=self.cfg.run.loggers, params=self.cfg.model_dump(mode="json"))
-        max_len = max_model_len(self.cfg)
-        self.console.print(f"fleetrl: starting the actors (vLLM engines, DeepSpeed ranks); their output goes to "
+        roles = self.roles(self.cfg)
+        self.console.print(f"fleetrl: starting the actors ({', '.join(roles.names())}); their output goes to "
                            f"{self.run_dir / 'logs'}/")
-        # every group is created first and waited for once: ranks, engines, reward and env actors start side by side
-        self.learner = LearnerGroup(self.cfg)
-        self.critic = LearnerGroup(self.cfg, role="critic") if self.cfg.algorithm.uses_critic else None
-        self.envs = EnvPool(self.cfg) if self.cfg.env.name and self.cfg.env.num_workers else None
-        self.rollouts = RolloutPool(self.cfg, max_model_len=max_len, current_weights=self.learner.weight_buckets,
-                                    envs=self.envs)
-        self.rewards = RewardPool(self.cfg, judge=self._judge_with_engines())
-        self.prm = PRMPool(self.cfg, self.cfg.prm.path) if self.cfg.prm.path and self.uses_process_rewards() \
-            else None
-        self.controller = start_controller(self.run_dir.name, len(self.rollouts.workers), len(self.rewards.workers),
-                                           len(self.envs.workers) if self.envs else 0)
-        wait_ready(self.learner, self.critic, self.envs, self.rollouts, self.rewards, self.prm)
-        self.weight_sync = make_weight_sync(self.cfg, self.learner, self.rollouts, self.task.train_batch(0, 1),
-                                            self.pad_id)
+        self.fleet = fleet or Fleet.start(self.cfg, roles, self.judge,
+                                          probe=(self.task.train_batch(0, 1), self.pad_id))
         self.startup_s = time.perf_counter() - self.t_config
-        log.info("actors up %.1fs after the config was loaded: %d rollout, %d reward, %d learner ranks",
-                 self.startup_s, len(self.rollouts.workers), len(self.rewards.workers), self.learner.world)
-        for line in banner(self.cfg, self.learner.world, len(self.rollouts.workers), len(self.rewards.workers),
-                           self.dashboard, self.startup_s):
+        log.info("actors up %.1fs after the config was loaded: %s", self.startup_s, self.fleet.describe())
+        for line in banner(self.cfg, self.fleet.describe(), self.dashboard, self.startup_s):
             self.console.print(line)
         slow = slow_bf16_warning(self.cfg)
         if slow:
@@ -113,11 +103,13 @@ class Trainer:
     def restore(self, path: Path) -> None:
         """Learner (and critic) state from a checkpoint; the engines get the restored weights before generating."""
         state = ckpt.load_state(path)
-        self.learner.load_checkpoint(str(path / "learner"))
-        if self.critic:
-            self.critic.load_checkpoint(str(path / "critic"))
-        self.version = state["policy_version"] - 1
-        self.push_weights()
+        self.fleet.learner.load_checkpoint(str(path / "learner"))
+        if self.fleet.critic:
+            self.fleet.critic.load_checkpoint(str(path / "critic"))
+        self.version = state["policy_version"]
+        if self.fleet.weight_sync:  # engines serve the restored weights as the checkpoint's version
+            self.version -= 1
+            self.push_weights()
         in_flight = ckpt.load_in_flight(path)
         if in_flight is not None:  # one_step_off: the next step trains on the batch the checkpoint had in flight
             self.prefetch = Future()
@@ -129,10 +121,10 @@ class Trainer:
         t0 = time.perf_counter()
         stage = ckpt.staging_dir(self.run_dir, next_step)
         try:
-            self.learner.save_checkpoint(str(stage / "learner"))
-            if self.critic:
-                self.critic.save_checkpoint(str(stage / "critic"))
-            self.learner.save_hf(str(stage / "policy"))
+            self.fleet.learner.save_checkpoint(str(stage / "learner"))
+            if self.fleet.critic:
+                self.fleet.critic.save_checkpoint(str(stage / "critic"))
+            self.fleet.learner.save_hf(str(stage / "policy"))
             if self.prefetch is not None:  # one_step_off: generated and scored already (train_step waited)
                 ckpt.save_in_flight(stage, *self.prefetch.result()[0])
             ckpt.commit(self.run_dir, stage, next_step, {"step": next_step, "policy_version": self.version},
@@ -147,12 +139,13 @@ class Trainer:
                 f"{previous[-1] if previous else '(none)'} is intact") from e
         return time.perf_counter() - t0
 
-    def run(self) -> list[dict]:
-        """The loop; a run that fails says so in its status (``fleetrl status``)."""
+    def run(self, fleet: Fleet | None = None) -> list[dict]:
+        """The loop; a run that fails says so in its status (``fleetrl status``). Without ``fleet`` the loop starts
+        its own and stops it at the end; a given fleet stays up (another run can use it)."""
         try:
-            return self._loop()
+            return self._loop(fleet)
         except BaseException as e:
-            if getattr(self, "status", None) is not None:
+            if self.status is not None:
                 self.status.finish("failed")
             if not isinstance(e, LearnerDied):
                 raise
@@ -161,9 +154,12 @@ class Trainer:
                     if found else "no checkpoint was written yet, so it cannot resume: restart it "
                     "(trainer.save_every makes runs resumable)")
             raise LearnerDied(f"{e}. The run stopped; {hint}") from e
+        finally:
+            if fleet is None and self.fleet is not None:
+                self.fleet.stop()
 
-    def _loop(self) -> list[dict]:
-        self.start()
+    def _loop(self, fleet: Fleet | None) -> list[dict]:
+        self.start(fleet)
         total, budget = self.cfg.trainer.total_steps, self.cfg.trainer.time_budget_s
         t0 = time.perf_counter()
         save_every, bad_steps = self.cfg.trainer.save_every, 0
@@ -183,7 +179,7 @@ class Trainer:
                 if save_every and (step + 1) % save_every == 0 and not bad_steps:
                     metrics["time/checkpoint_s"] = self.save_checkpoint(step + 1)
             self.metrics.log(metrics)
-            self.controller.report.remote(metrics)
+            self.fleet.controller.report.remote(metrics)
             self.status.step(metrics)
             self._warn(metrics)
             self.console.step(metrics)
@@ -219,17 +215,9 @@ class Trainer:
     def finish(self, train_seconds: float) -> None:
         """Final policy, plot, and a summary with each actor's peak memory."""
         final = self.run_dir / "final"
-        self.learner.save_hf(str(final))
+        self.fleet.learner.save_hf(str(final))
         self.metrics.close()
-        evals = [m["eval/accuracy"] for m in self.metrics.history if "eval/accuracy" in m]
-        steps = self.metrics.history[-1]["step"] if self.metrics.history else 0  # updates (SFT pushes lazily)
-        # this process's (a resumed run's history also holds the first process's)
-        first_step = next((m["time/first_step_s"] for m in reversed(self.metrics.history)
-                           if "time/first_step_s" in m), None)
-        summary = {"steps": steps, "train_seconds": round(train_seconds, 1), "startup_s": _round(self.startup_s),
-                   "first_step_s": _round(first_step),
-                   "algorithm": self.cfg.algorithm.name, "eval_accuracy_first": evals[0] if evals else None,
-                   "eval_accuracy_last": evals[-1] if evals else None, "peak_rss_mb": self.peak_rss()}
+        summary = {**self.summary(), "train_seconds": round(train_seconds, 1)}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         self.status.finish("finished")
         log.info("final policy written to %s; summary %s", final, summary)
@@ -238,15 +226,16 @@ class Trainer:
         self.console.print(f"done: {summary['steps']} steps in {train_seconds / 60:.1f} min{evals}; final policy "
                            f"{final}, summary {self.run_dir / 'summary.json'}")
 
-    def peak_rss(self) -> dict[str, float]:
-        """Peak resident memory of every actor process, MB (ru_maxrss)."""
-        import ray
-
-        groups = {"rollout": self.rollouts.workers, "reward": self.rewards.workers, "learner": self.learner.ranks,
-                  "env": self.envs.workers if self.envs else [],
-                  "critic": self.critic.ranks if self.critic else []}
-        refs = {f"{role}-{i}": w.peak_rss_mb.remote() for role, ws in groups.items() for i, w in enumerate(ws)}
-        return dict(zip(refs, ray.get(list(refs.values()))))
+    def summary(self) -> dict:
+        """``summary.json`` (a loop adds its own keys): steps, start-up, held-out accuracy, each actor's peak RSS."""
+        evals = [m["eval/accuracy"] for m in self.metrics.history if "eval/accuracy" in m]
+        steps = self.metrics.history[-1]["step"] if self.metrics.history else 0
+        # this process's (a resumed run's history also holds the first process's)
+        first_step = next((m["time/first_step_s"] for m in reversed(self.metrics.history)
+                           if "time/first_step_s" in m), None)
+        return {"steps": steps, "startup_s": _round(self.startup_s), "first_step_s": _round(first_step),
+                "algorithm": self.cfg.algorithm.name, "eval_accuracy_first": evals[0] if evals else None,
+                "eval_accuracy_last": evals[-1] if evals else None, "peak_rss_mb": self.fleet.peak_rss()}
 
     def _is_eval_step(self, step: int) -> bool:
         every = self.cfg.trainer.eval_every
@@ -261,13 +250,13 @@ class Trainer:
         batch = self._to_batch(scored)
         with timer("logprobs"):
             if self.separate_logprob_pass():
-                batch = self.learner.compute_logprobs(batch)
+                batch = self.fleet.learner.compute_logprobs(batch)
             else:  # old logprobs come from the update's first pass, the reference pass is fused into it
                 batch.old_logprobs = None
-            if self.critic:
-                batch.old_values = self.critic.compute_values(batch)
+            if self.fleet.critic:
+                batch.old_values = self.fleet.critic.compute_values(batch)
         with timer("advantages"):
-            steps = self.step_rewards(scored) if self.uses_process_rewards() else None
+            steps = self.step_rewards(scored) if self.cfg.uses_process_rewards else None
             batch.advantages, batch.returns = self.advantages(scored, batch, steps)
         with timer("learn"):
             train_metrics = self.learn(batch)
@@ -313,19 +302,6 @@ class Trainer:
         (scored, _, _), _ = self.prefetch.result()
         return len({x.sample.prompt_uid for x in scored})
 
-    def _judge_with_engines(self) -> tuple | None:
-        """The judge reward and the engines it asks: the `judge-i` engines of a feedback model, or the policy's."""
-        if self.judge is None:
-            return None
-        from orchestrator.recipes.cai import feedback_engines
-
-        return self.judge, feedback_engines(self.cfg) or self.rollouts
-
-    def uses_process_rewards(self) -> bool:
-        """Step rewards reach the advantages: ``grpo_process`` always, PPO when a PRM is configured."""
-        a = self.cfg.algorithm
-        return a.uses_step_rewards or bool(self.cfg.prm.path and a.uses_critic)
-
     def separate_logprob_pass(self) -> bool:
         """Whether old/reference logprobs need their own forward pass before the update (see learner.logprob_pass):
         only when the batch is used more than once, or PPO needs them for its KL-shaped rewards before the update."""
@@ -346,15 +322,15 @@ class Trainer:
         note a `fleetrl stop` request."""
         import ray
 
-        want = ray.get(self.controller.desired.remote())
+        want = ray.get(self.fleet.controller.desired.remote())
         if want["stop"] and not self.stop_requested:
             log.info("stop requested (fleetrl stop): ending after this step with a final eval and the final policy")
             self.stop_requested = True
-        self.rollouts.resize(want["rollout"])
-        self.rewards.resize(want["reward"])
-        if self.envs is not None:
-            self.envs.heal()
-            self.envs.resize(want["env"])
+        self.fleet.rollouts.resize(want["rollout"])
+        self.fleet.rewards.resize(want["reward"])
+        if self.fleet.envs is not None:
+            self.fleet.envs.heal()
+            self.fleet.envs.resize(want["env"])
 
     def _timing(self, timer: PhaseTimer, train_metrics: dict, queued: int) -> dict:
         """Phase times, throughput, and ``time/overhead_s``: step time not spent generating (engines) or in the
@@ -388,14 +364,14 @@ class Trainer:
         ``rollout.max_sampling_rounds`` rounds; a batch still short is topped up with set-aside groups."""
         cfg, G = self.cfg, self.cfg.rollout.group_size
         need, kept, spare, errors, rounds, judge_errors = cfg.data.prompts_per_step, [], [], 0, 0, 0
-        timeouts = self.rewards.timeouts
+        timeouts = self.fleet.rewards.timeouts
         while len(kept) < need and rounds < (cfg.rollout.max_sampling_rounds if cfg.rollout.dynamic_sampling else 1):
             prompts = self.task.train_batch(step, need, round_=rounds)
             with timer("generate"):
-                samples = self.rollouts.generate(prompts, G, cfg.rollout.temperature,
+                samples = self.fleet.rollouts.generate(prompts, G, cfg.rollout.temperature,
                                                  seed=cfg.rollout.seed * 100_003 + step + 7919 * rounds)
             with timer("reward"):
-                scored, errs, judge_errs = self.rewards.score_judged(samples, prompts)
+                scored, errs, judge_errs = self.fleet.rewards.score_judged(samples, prompts)
             errors += errs
             judge_errors += judge_errs
             rounds += 1
@@ -405,7 +381,7 @@ class Trainer:
                 (kept if informative else spare).append(group)
         groups = (kept + spare)[:need]
         info = {"sampling/rounds": rounds, "sampling/informative_groups": len(kept),
-                "reward/timeouts": self.rewards.timeouts - timeouts,
+                "reward/timeouts": self.fleet.rewards.timeouts - timeouts,
                 **({"reward/judge_errors": judge_errors} if self.judge else {})}
         if cfg.env.name:
             info["env/dropped_groups"] = drop_errored_groups(groups) if cfg.env.errored == "drop_group" else 0
@@ -413,8 +389,8 @@ class Trainer:
 
     def learn(self, batch: TrainBatch) -> dict:
         """Actor update, and the critic's beside it (both groups run concurrently)."""
-        refs = self.learner.train_async(batch)
-        critic_refs = self.critic.train_async(batch) if self.critic else []
+        refs = self.fleet.learner.train_async(batch)
+        critic_refs = self.fleet.critic.train_async(batch) if self.fleet.critic else []
         return {**gather_metrics(refs), **(gather_metrics(critic_refs, "critic") if critic_refs else {})}
 
     def step_rewards(self, scored: list[ScoredSample]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,13 +401,13 @@ class Trainer:
         step_ends [B, S])`` with -1 ends for absent steps."""
         sep = process_separator(self.cfg)
         ends = [step_ends([self.tokenizer.decode([t]) for t in x.sample.completion_ids], sep) for x in scored]
-        if self.prm is not None:
+        if self.fleet.prm is not None:
             values = iter(self._prm_step_rewards(scored, ends))
         else:
             prefixes = [dataclasses.replace(x.sample, completion_text=self.tokenizer.decode(
                 x.sample.completion_ids[: e + 1], skip_special_tokens=True)) for x, es in zip(scored, ends)
                 for e in es]
-            values = iter([r.reward for r in self.rewards.score(prefixes)[0]])
+            values = iter([r.reward for r in self.fleet.rewards.score(prefixes)[0]])
         S = max(1, max(len(e) for e in ends))
         step_rewards = torch.zeros(len(scored), S)
         end_index = torch.full((len(scored), S), -1, dtype=torch.long)
@@ -447,7 +423,7 @@ class Trainer:
             ids, starts = x.sample.completion_ids, [0] + [e + 1 for e in es[:-1]]
             items.append((x.sample.prompt_text, [self.tokenizer.decode(ids[a: b + 1], skip_special_tokens=True)
                                                  for a, b in zip(starts, es)]))
-        scores = self.prm.score(items)
+        scores = self.fleet.prm.score(items)
         w, outcome = self.cfg.prm.process_weight, not self.cfg.algorithm.uses_critic
         out = []
         for x, per_step in zip(scored, scores):
@@ -470,13 +446,16 @@ class Trainer:
     def push_weights(self) -> dict:
         """Learner -> every rollout engine, in place; the policy version advances."""
         self.version += 1
-        return self.weight_sync.push(self.version)
+        return self.fleet.weight_sync.push(self.version)
 
     def evaluate(self, step: int) -> dict:
         """Greedy held-out accuracy through the rollout engines; the completions and their verdicts go to
         ``<run.dir>/evals/step_<step>.jsonl``, ``trainer.show_samples`` of them to the console and the trackers."""
         t0, timeouts = time.perf_counter(), verify_timeouts()
-        samples = self.rollouts.generate(self.eval_prompts, 1, temperature=0.0, seed=None)
+        if self.engines_stale:
+            self.push_weights()
+            self.engines_stale = False
+        samples = self.fleet.rollouts.generate(self.eval_prompts, 1, temperature=0.0, seed=None)
         correct = self.correct(samples)
         records = eval_records(samples, correct)
         write_eval_samples(self.run_dir, step, records)
@@ -495,6 +474,17 @@ class Trainer:
     def correct(self, samples: list) -> list[bool]:
         """Whether each sample is correct by the task's verifier (accuracy metrics)."""
         return verdicts(self.task.verifier_fn, [(s.prompt_text, s.completion_text, s.metadata) for s in samples])
+
+    def _pool_metrics(self) -> dict:
+        """Each generating pool's size and its replacements (``faults/*``)."""
+        f, out = self.fleet, {}
+        for role, pool in (("rollout", f.rollouts), ("reward", f.rewards), ("env", f.envs)):
+            if pool is not None:
+                out[f"{role}/workers"] = len(pool.workers)
+                out[f"faults/{role}_restarts"] = pool.restarts
+                if role != "env":
+                    out[f"faults/{role}_recovery_s"] = pool.recovery_s
+        return out
 
     def _to_batch(self, scored: list[ScoredSample]) -> TrainBatch:
         return samples_to_batch([x.sample for x in scored], self.pad_id, self.cfg.algorithm.mask_truncated)
@@ -525,11 +515,8 @@ class Trainer:
             "rollout/logprob_gap_max": diff.max().item() if diff.numel() else 0.0,
             "rollout/policy_version_min": min(x.sample.policy_version for x in scored),
             "rollout/staleness_max": staleness,
-            "rollout/workers": len(self.rollouts.workers), "reward/workers": len(self.rewards.workers),
-            **({"env/workers": len(self.envs.workers), "faults/env_restarts": self.envs.restarts} if self.envs else {}),
             "rollout/samples": len(scored), "rollout/unique_prompts": len({x.sample.prompt_uid for x in scored}),
-            "faults/rollout_restarts": self.rollouts.restarts, "faults/reward_restarts": self.rewards.restarts,
-            "faults/rollout_recovery_s": self.rollouts.recovery_s, "faults/reward_recovery_s": self.rewards.recovery_s,
+            **self._pool_metrics(),
         }
 
 
@@ -566,11 +553,15 @@ def learner_metrics(m: dict) -> dict:
     return out
 
 
-def run_training(cfg: FleetConfig, resume: str | None = None, trainer_cls: type | None = None) -> list[dict]:
-    """Join or start Ray, then run the loop (``trainer_cls``: a recipe's loop, :func:`orchestrator.recipes.
-    trainer_for`). The driver's own log goes to ``<run.dir>/logs/driver.log``."""
+def run_training(cfg: FleetConfig, resume: str | None = None, loop: type | None = None) -> list[dict]:
+    """Check the inputs, join or start Ray, then run the loop (``loop``: default the config's, :func:`orchestrator.
+    recipes.loop_for`). The driver's own log goes to ``<run.dir>/logs/driver.log``."""
+    from orchestrator.recipes import loop_for
+
+    loop = loop or loop_for(cfg)
+    cfg = loop.prepare(cfg)
     console = Console(verbose=cfg.run.verbose)
     console.setup_logging(Path(cfg.run.dir))
-    trainer = (trainer_cls or Trainer)(cfg, resume, console)  # checks --resume and data before any actor
+    trainer = loop(cfg, resume, console)  # checks --resume and data before any actor
     trainer.dashboard = init_ray(cfg)
     return trainer.run()

@@ -51,6 +51,8 @@ def test_offline_dpo_on_a_pairs_file_raises_the_preference_accuracy(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     rows = [r for r in _rows(run_dir) if "dpo/loss" in r]
     assert len(rows) == 6 and all(r["dpo/pairs"] == 16 for r in rows)
+    logs = {p.name for p in (run_dir / "logs").iterdir()}  # engines for the evals; no reward actor (no sampling)
+    assert "rollout-0.log" in logs and not any(n.startswith("reward-") for n in logs), logs
     first, last = rows[0], rows[-1]
     assert first["dpo/preference_accuracy"] == 0.0 and first["dpo/reward_margin"] == pytest.approx(0.0, abs=1e-6)
     assert last["dpo/preference_accuracy"] >= 0.75 and last["dpo/reward_margin"] > 0.1
@@ -101,6 +103,8 @@ def test_pipeline_killed_in_stage_two_resumes_without_repeating_stage_one(tmp_pa
     assert summary[1]["model"] == str(stage2 / "final") and (stage2 / "final" / "config.json").exists()
     steps = [r["step"] for r in _rows(stage2)]
     assert steps == list(range(7))  # every step once: the resumed run continued the stage's metrics
+    # the SFT stage without evals started the learner group alone (issue 42): no engine, reward actor or probe
+    assert not [p.name for p in (run_dir / "01-warm" / "logs").iterdir() if p.name.startswith(("rollout-", "reward-"))]
     stage3 = (run_dir / "03-rft" / "stage.yaml").read_text()
     assert f"path: {stage2 / 'final'}" in stage3
     assert all(s["model"] and s["seconds"] > 0 for s in summary)

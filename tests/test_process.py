@@ -45,6 +45,7 @@ def test_label_train_serve_process_rl_and_search(tmp_path):
              "trainer.eval_every=2", "learner.lr=1e-3", f"run.dir={prm_dir}")
     trained = [r for r in _rows(prm_dir) if "prm/bce" in r]
     assert len(trained) == 4 and trained[-1]["prm/bce"] < trained[0]["prm/bce"]
+    assert not list((prm_dir / "logs").glob("rollout-*.log"))  # a PRM trains on the learner group alone
     meta = json.loads((prm_dir / "final" / "fleetrl_prm.json").read_text())
     assert meta["tag"] == ")" and meta["separator"] == ";" and meta["target"] == "soft"
 

@@ -122,6 +122,8 @@ def test_bradley_terry_reward_model_from_pairs_served_by_the_orm_actor(tmp_path)
     assert [m["step"] for m in evals] == [0, 16]
     assert evals[-1]["rm/heldout_accuracy"] >= 0.8 > evals[0]["rm/heldout_accuracy"] + 0.15, evals
     assert sum("rm/loss" in m for m in metrics) == 16
+    logs = sorted(p.name for p in (run_dir / "logs").iterdir())  # the learner group alone: no engine, no reward
+    assert not [n for n in logs if n.startswith(("rollout-", "reward-"))] and "learner-0.log" in logs, logs
     final = run_dir / "final"
     assert json.loads((final / "fleetrl_prm.json").read_text())["target"] == "preference"
     held = [r for r in rows if held_out(r, 0.2)]

@@ -19,6 +19,7 @@ DRIVER = textwrap.dedent("""
     import ray, torch
     from safetensors.torch import load_file
     from orchestrator.config import load_config
+    from orchestrator.fleet import Fleet
     from orchestrator.launch import init_ray
     from orchestrator.trainer import Trainer
 
@@ -27,7 +28,9 @@ DRIVER = textwrap.dedent("""
                              "learner.lr=1e-3", *overrides])
     trainer = Trainer(cfg)
     init_ray(cfg)
-    rows = trainer.run()
+    # a fleet of its own, kept up after the run so its engines can be read
+    fleet = Fleet.start(cfg, Trainer.roles(cfg), probe=(trainer.task.train_batch(0, 1), trainer.pad_id))
+    rows = trainer.run(fleet)
     learner = load_file(f"{run_dir}/final/model.safetensors")
     tied = "lm_head.weight" not in learner
     if tied:
@@ -47,7 +50,7 @@ DRIVER = textwrap.dedent("""
         return (t.float() - e.float()).abs().max().item()
 
     out = {"tied": tied, "versions": [r["policy_version"] for r in rows], "engines": []}
-    for w in trainer.rollouts.workers:
+    for w in fleet.rollouts.workers:
         engine = ray.get(w.engine_weights.remote())
         diffs = {n: diff(n, t) for n, t in engine.items()}
         version = ray.get(w.stats.remote())["policy_version"]

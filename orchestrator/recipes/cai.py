@@ -63,8 +63,8 @@ class CAIRun:
     be checked (the principles file, the judge model and its option tokens) is checked before any actor starts."""
 
     def __init__(self, cfg: FleetConfig, n: int, judging: bool = False):
-        from orchestrator.launch import init_ray, make_task, max_model_len
-        from orchestrator.pools import RolloutPool, wait_ready
+        from orchestrator.fleet import Fleet, Roles
+        from orchestrator.launch import init_ray, make_task
 
         try:
             self.constitution = load_constitution(cfg.cai.principles)
@@ -77,9 +77,8 @@ class CAIRun:
         self.rng = random.Random(f"cai-principles:{cfg.data.seed}")
         self.calls = 0
         init_ray(cfg)
-        self.rollouts = RolloutPool(cfg, max_model_len=max_model_len(cfg))
-        self.judge = feedback_engines(cfg) if judging else None
-        wait_ready(self.rollouts, self.judge)
+        self.fleet = Fleet.start(cfg, Roles(rollout=True, feedback=judging and cfg.cai.judge == "model"))
+        self.rollouts, self.judge = self.fleet.rollouts, self.fleet.feedback
 
     def reply(self, conversations: list[list[dict]], temperature: float, group_size: int = 1) -> list[str]:
         """One assistant turn per conversation (``group_size`` of them, grouped), batched over the engines."""
@@ -169,23 +168,6 @@ def judge_pairs(run: CAIRun, convs: list[list[dict]], pairs: list[tuple[str, str
         # a question too long for the judge's context has no reading: no preference either way
         readings.append([option_probabilities(lp) if lp else [0.5, 0.5] for lp in answered])
     return [preference_from_orders(*(r[i] for r in readings)) for i in range(len(pairs))]
-
-
-def feedback_engines(cfg: FleetConfig):
-    """The `judge-i` engines of ``cai.feedback_model`` (one engine, no system prompt) for ``cai.judge: model``;
-    None otherwise (the policy's own engines judge)."""
-    from orchestrator.launch import max_model_len
-    from orchestrator.pools import JudgePool
-
-    if cfg.cai.judge != "model":
-        return None
-    judge_cfg = cfg.model_copy(deep=True)
-    judge_cfg.model.path = cfg.cai.feedback_model
-    judge_cfg.data.system_prompt = None
-    # room for the question around a conversation and a full-length response
-    judge_cfg.data.max_prompt_tokens = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens + 256
-    judge_cfg.rollout.num_workers = 1
-    return JudgePool(judge_cfg, max_model_len=max_model_len(judge_cfg))
 
 
 def reward_judge(cfg: FleetConfig) -> Judge:

@@ -217,18 +217,6 @@ def _single_user(head: list[dict]) -> bool:
     return len(head) == 1 and head[0]["role"] == "user"
 
 
-def check_row_pairs(cfg) -> None:
-    """A (chosen, rejected) objective's batch geometry: every learner rank gets whole pairs (an even number of
-    rows); else a ConfigError naming the keys."""
-    from orchestrator.config import ConfigError
-
-    rows = cfg.sequences_per_step
-    if rows % 2 or (rows // cfg.learner.num_ranks) % 2:
-        raise ConfigError(f"algorithm.name={cfg.algorithm.name} trains row pairs: data.prompts_per_step * "
-                          f"rollout.group_size ({rows}) must give each of learner.num_ranks={cfg.learner.num_ranks} "
-                          "ranks an even number of rows")
-
-
 def examples_batch(examples: list[Example], size: int, pad_id: int, rows_per_unit: int = 1):
     """The examples as a learner batch of exactly ``size`` rows (the learner group's batch; DeepSpeed's geometry
     is fixed). Rows past the examples repeat them with an all-zero loss mask: they add no token to the loss nor

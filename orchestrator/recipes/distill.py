@@ -33,10 +33,8 @@ def check_teacher(cfg: FleetConfig) -> Path:
 
 def teacher_data(cfg: FleetConfig, out: Path) -> dict:
     """Generate with the teacher, keep the verified samples, write them as SFT rows; returns the counts."""
-    import ray
-
-    from orchestrator.launch import make_task, max_model_len
-    from orchestrator.pools import RewardPool, RolloutPool, wait_ready
+    from orchestrator.fleet import Fleet, Roles
+    from orchestrator.launch import make_task
     from orchestrator.recipes.rft import keep_verified
     from rewards.functions import verdicts
 
@@ -46,14 +44,10 @@ def teacher_data(cfg: FleetConfig, out: Path) -> dict:
     task = make_task(tcfg)
     prompts = task.train_batch(0, cfg.distill.prompts)
     text = {p.uid: p.text for p in prompts}
-    rollouts, rewards = RolloutPool(tcfg, max_model_len=max_model_len(tcfg)), RewardPool(tcfg)
-    wait_ready(rollouts, rewards)
-    try:
-        samples = rollouts.generate(prompts, cfg.rollout.group_size, cfg.rollout.temperature, seed=cfg.rollout.seed)
-        scored, errors = rewards.score(samples)
-    finally:
-        for w in rollouts.workers + rewards.workers:
-            ray.kill(w, no_restart=True)
+    with Fleet.start(tcfg, Roles(rollout=True, reward=True)) as teacher:  # stopped before the student's starts
+        samples = teacher.rollouts.generate(prompts, cfg.rollout.group_size, cfg.rollout.temperature,
+                                            seed=cfg.rollout.seed)
+        scored, errors = teacher.rewards.score(samples)
     correct = verdicts(task.verifier_fn, [(s.prompt_text, s.completion_text, s.metadata) for s in samples])
     right = {id(x) for x, ok in zip(scored, correct) if ok}
     kept = [x for x in keep_verified(scored, cfg.rft.threshold) if id(x) in right]

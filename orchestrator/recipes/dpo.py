@@ -16,26 +16,38 @@ import torch
 
 from learner.algorithms import preference_pairs
 from orchestrator.config import FleetConfig
+from orchestrator.fleet import Roles, training_roles
 from orchestrator.metrics import PhaseTimer
 from orchestrator.recipes.data import (
     Example,
     ExampleRenderer,
-    check_row_pairs,
     draw,
     examples_batch,
     load_pairs,
     sample_example,
 )
-from orchestrator.recipes.sft import LazyPush
 from orchestrator.trainer import Trainer, learner_metrics
 
 log = logging.getLogger("fleetrl")
 
 
-class DPOTrainer(LazyPush, Trainer):
+class DPOTrainer(Trainer):
+    """Offline (a pairs file): engines start only for evals, and get the weights just before one; online: the
+    RL loop's fleet."""
+
+    @classmethod
+    def prepare(cls, cfg: FleetConfig) -> FleetConfig:
+        """Offline: the pairs file read and checked at load."""
+        if cfg.algorithm.pairs:
+            load_pairs(cfg.algorithm.pairs)
+        return cfg
+
+    @classmethod
+    def roles(cls, cfg: FleetConfig) -> Roles:
+        return training_roles(cfg, generates=not cfg.algorithm.pairs)
+
     def __init__(self, cfg: FleetConfig, resume: str | None = None, console=None):
         super().__init__(cfg, resume, console)
-        check_row_pairs(cfg)
         self.pairs: list[tuple[Example, Example]] = []
         self.preferences: list[float] = []  # each offline pair's soft label, P(chosen is better)
         if cfg.algorithm.pairs:
@@ -54,7 +66,7 @@ class DPOTrainer(LazyPush, Trainer):
         t0 = time.perf_counter()
         idx = draw(len(self.pairs), step, self.cfg.sequences_per_step // 2, self.cfg.trainer.seed)
         out = self._update([self.pairs[i] for i in idx], timer, [self.preferences[i] for i in idx])
-        self.stale = True
+        self.engines_stale = True
         return {**out, "throughput/pairs_per_s": len(idx) / (time.perf_counter() - t0), **timer.metrics()}
 
     def online_step(self, step: int) -> dict:

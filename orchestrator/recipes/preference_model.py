@@ -17,9 +17,10 @@ import logging
 import time
 
 from learner.losses import tag_log_odds
-from orchestrator.config import FleetConfig
+from orchestrator.config import ConfigError, FleetConfig
+from orchestrator.fleet import Roles, training_roles
 from orchestrator.metrics import PhaseTimer
-from orchestrator.recipes.data import check_row_pairs, draw, load_pairs
+from orchestrator.recipes.data import draw, load_pairs
 from orchestrator.recipes.prm import PRMExample, held_out, prm_batch
 from orchestrator.steps import step_separator
 from orchestrator.trainer import Trainer, learner_metrics
@@ -36,26 +37,39 @@ def response_text(response) -> str:
     return "".join(m["content"] for m in response if m.get("role") == "assistant")
 
 
+def split_pairs(cfg: FleetConfig) -> tuple[list[dict], list[dict]]:
+    """(training, held-out) rows of ``algorithm.pairs`` for ``algorithm.eval_fraction``; both must be non-empty."""
+    if not cfg.algorithm.pairs:
+        raise ConfigError("algorithm.pairs: a reward model trains on preference pairs; give a JSONL file of "
+                          "prompt/chosen/rejected rows (`fleetrl cai prefer` writes one)")
+    rows, fraction = load_pairs(cfg.algorithm.pairs), cfg.algorithm.eval_fraction
+    train = [r for r in rows if not held_out(r, fraction)]
+    held = [r for r in rows if held_out(r, fraction)]
+    if not train or not held:
+        raise ConfigError(f"algorithm.pairs {cfg.algorithm.pairs}: {len(train)} training and {len(held)} held-out "
+                          f"pairs with algorithm.eval_fraction={fraction}; give more")
+    return train, held
+
+
 class RewardModelTrainer(Trainer):
-    """The Trainer's loop with a Bradley-Terry step over ``algorithm.pairs`` (see the module)."""
+    """The Trainer's loop with a Bradley-Terry step over ``algorithm.pairs`` (see the module); the learner group
+    alone (its evals are the learner's own scores)."""
+
+    @classmethod
+    def roles(cls, cfg: FleetConfig) -> Roles:
+        return training_roles(cfg, generates=False, engine_evals=False)
+
+    @classmethod
+    def prepare(cls, cfg: FleetConfig) -> FleetConfig:
+        """The pairs file read and its held-out split checked at load."""
+        split_pairs(cfg)
+        return cfg
 
     def __init__(self, cfg: FleetConfig, resume: str | None = None, console=None):
-        from orchestrator.config import ConfigError
-
-        if not cfg.algorithm.pairs:
-            raise ConfigError("algorithm.pairs: a reward model trains on preference pairs; give a JSONL file of "
-                              "prompt/chosen/rejected rows (`fleetrl cai prefer` writes one)")
-        rows = load_pairs(cfg.algorithm.pairs)
         super().__init__(cfg, resume, console)
-        check_row_pairs(cfg)
         self.tag, self.sep = tag_id(self.tokenizer, cfg.prm.tag), step_separator(cfg)
         self.renderer = PromptRenderer(self.tokenizer, cfg.data.prompt_format, cfg.data.system_prompt)
-        fraction = cfg.algorithm.eval_fraction
-        self.train_rows = [r for r in rows if not held_out(r, fraction)]
-        self.held = [r for r in rows if held_out(r, fraction)]
-        if not self.train_rows or not self.held:
-            raise ConfigError(f"algorithm.pairs {cfg.algorithm.pairs}: {len(self.train_rows)} training and "
-                              f"{len(self.held)} held-out pairs with algorithm.eval_fraction={fraction}; give more")
+        self.train_rows, self.held = split_pairs(cfg)
         log.info("reward model pairs %s: %d training / %d held-out", cfg.algorithm.pairs, len(self.train_rows),
                  len(self.held))
 
@@ -86,7 +100,7 @@ class RewardModelTrainer(Trainer):
         for i in range(0, len(self.held), n // 2):
             chunk = self.held[i: i + n // 2]
             rows = [e for r in chunk for e in self.pair(r)]
-            batch = self.learner.compute_logprobs(prm_batch(rows, n, self.pad_id, rows_per_unit=2))
+            batch = self.fleet.learner.compute_logprobs(prm_batch(rows, n, self.pad_id, rows_per_unit=2))
             scores = [float(tag_log_odds(batch.old_logprobs[j, e.loss_mask.index(1)])) for j, e in enumerate(rows)]
             margins += [scores[2 * k] - scores[2 * k + 1] for k in range(len(chunk))]
         return margins

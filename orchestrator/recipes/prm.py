@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from orchestrator.config import ConfigError, FleetConfig
+from orchestrator.fleet import Roles, training_roles
 from orchestrator.metrics import PhaseTimer
 from orchestrator.recipes.data import Example, draw, examples_batch, read_jsonl
 from orchestrator.search.methods import mc_labels
@@ -58,8 +59,8 @@ def token_steps(tokenizer, completion_ids: list[int], separator: str) -> list[tu
 
 def run_label(cfg: FleetConfig, out: str) -> dict:
     """Label the policy's solutions (see the module doc); returns the summary written to ``label.json``."""
-    from orchestrator.launch import init_ray, load_tokenizer, make_task, max_model_len
-    from orchestrator.pools import RolloutPool, wait_ready
+    from orchestrator.fleet import Fleet, Roles
+    from orchestrator.launch import init_ray, load_tokenizer, make_task
     from rewards.functions import verdicts
     from rewards.tasks import step_truth
 
@@ -68,8 +69,7 @@ def run_label(cfg: FleetConfig, out: str) -> dict:
     prompts = task.train_batch(LABEL_SEED, p.prompts)
     init_ray(cfg)
     t0 = time.perf_counter()
-    rollouts = RolloutPool(cfg, max_model_len=max_model_len(cfg))
-    wait_ready(rollouts)
+    rollouts = Fleet.start(cfg, Roles(rollout=True)).rollouts
     t_up = time.perf_counter()
     samples = rollouts.generate(prompts, p.samples, cfg.rollout.temperature, seed=cfg.rollout.seed)
     solved = [(s, token_steps(tokenizer, s.completion_ids, sep)) for s in samples]
@@ -188,27 +188,40 @@ def auc(scores: list[float], labels: list[int]) -> float | None:
 
 
 def prm_config(cfg: FleetConfig) -> FleetConfig:
+    """The PRM objective's config, ``prm.labels`` read and its held-out split checked."""
     from orchestrator.recipes.sft import objective_config
 
     if not cfg.prm.labels:
         raise ConfigError("prm.labels: give the JSONL written by `fleetrl prm label` (or --labels FILE)")
+    split(load_labels(cfg.prm.labels), cfg.prm)
     return objective_config(cfg, {"name": "prm"})  # scored at temperature 1 (pools.learner_temperature)
+
+
+def split(rows: list[dict], p) -> tuple[list[dict], list[dict]]:
+    """(training, held-out) label rows for ``prm.eval_fraction``; both must be non-empty."""
+    train = [r for r in rows if not held_out(r, p.eval_fraction)]
+    held = [r for r in rows if held_out(r, p.eval_fraction)]
+    if not train or not held:
+        raise ConfigError(f"prm.labels {p.labels}: {len(train)} training and {len(held)} held-out solutions "
+                          f"with prm.eval_fraction={p.eval_fraction}; label more prompts")
+    return train, held
 
 
 class PRMTrainer(Trainer):
     """The Trainer's loop with a PRM step over ``prm.labels``; its evals are the held-out step AUCs, computed
-    from the learner's own tag probabilities (no engine involved)."""
+    from the learner's own tag probabilities: the learner group alone."""
+
+    prepare = staticmethod(prm_config)
+
+    @classmethod
+    def roles(cls, cfg: FleetConfig) -> Roles:
+        return training_roles(cfg, generates=False, engine_evals=False)
 
     def __init__(self, cfg: FleetConfig, resume: str | None = None, console=None):
-        rows = load_labels(cfg.prm.labels)
         super().__init__(cfg, resume, console)
         p = cfg.prm
         self.tag = tag_id(self.tokenizer, p.tag)
-        train = [r for r in rows if not held_out(r, p.eval_fraction)]
-        self.held = [r for r in rows if held_out(r, p.eval_fraction)]
-        if not train or not self.held:
-            raise ConfigError(f"prm.labels {p.labels}: {len(train)} training and {len(self.held)} held-out solutions "
-                              f"with prm.eval_fraction={p.eval_fraction}; label more prompts")
+        train, self.held = split(load_labels(p.labels), p)
         self.examples = [prm_example(self.tokenizer, r, self.tag, p.target) for r in train]
         self.examples = [e for e in self.examples if sum(e.loss_mask)]
         log.info("prm labels %s: %d training / %d held-out solutions, target %s", p.labels, len(train),
@@ -228,7 +241,7 @@ class PRMTrainer(Trainer):
         for i in range(0, len(self.held), n):
             chunk = self.held[i: i + n]
             examples = [prm_example(self.tokenizer, r, self.tag, "hard") for r in chunk]
-            batch = self.learner.compute_logprobs(prm_batch(examples, n, self.pad_id))
+            batch = self.fleet.learner.compute_logprobs(prm_batch(examples, n, self.pad_id))
             for j, r in enumerate(chunk):
                 _, ids, positions = encode(self.tokenizer, r["prompt"], r["steps"], self.tag)
                 scores.append([float(batch.old_logprobs[j, pos].exp()) for pos in positions])
@@ -258,4 +271,4 @@ class PRMTrainer(Trainer):
 def run_prm_train(cfg: FleetConfig, resume: str | None = None) -> list[dict]:
     from orchestrator.trainer import run_training
 
-    return run_training(prm_config(cfg), resume=resume, trainer_cls=PRMTrainer)
+    return run_training(cfg, resume=resume, loop=PRMTrainer)

@@ -14,7 +14,6 @@ on the same learner group. The loop, evals, checkpoints and the final policy are
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -80,22 +79,16 @@ class RFTTrainer(Trainer):
         out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
         return out
 
-    def finish(self, train_seconds: float) -> None:
-        super().finish(train_seconds)
-        summary_path = self.run_dir / "summary.json"
-        summary = json.loads(summary_path.read_text())
-        summary.update(algorithm="rft", rounds=self.cfg.rft.rounds)
-        summary_path.write_text(json.dumps(summary, indent=1))
+    def summary(self) -> dict:
+        return {**super().summary(), "algorithm": "rft", "rounds": self.cfg.rft.rounds}
 
 
 def run_rft(cfg: FleetConfig, rounds: int | None = None, resume: str | None = None) -> list[dict]:
     """Check the run directory, start (or join) Ray, run the rounds; returns the per-round rows."""
-    from orchestrator.launch import init_ray
+    from orchestrator.trainer import run_training
 
     cfg = rft_config(cfg, rounds)
     if (Path(cfg.run.dir) / "metrics.jsonl").exists() and not resume:
         raise ConfigError(f"run.dir={cfg.run.dir} holds a training run (metrics.jsonl); RFT would overwrite its "
                           "final policy: give a fresh run.dir (and the trained policy as model.path)")
-    trainer = RFTTrainer(cfg, resume)
-    init_ray(cfg)
-    return trainer.run()
+    return run_training(cfg, resume, loop=RFTTrainer)

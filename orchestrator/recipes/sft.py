@@ -12,6 +12,7 @@ import logging
 import time
 
 from orchestrator.config import ConfigError, FleetConfig
+from orchestrator.fleet import Roles, training_roles
 from orchestrator.metrics import PhaseTimer
 from orchestrator.recipes.data import Example, ExampleRenderer, draw, examples_batch, load_sft_rows
 from orchestrator.trainer import Trainer, learner_metrics
@@ -31,14 +32,12 @@ def objective_config(cfg: FleetConfig, algorithm: dict) -> FleetConfig:
 
 
 def sft_config(cfg: FleetConfig) -> FleetConfig:
-    check_data(cfg)
-    return objective_config(cfg, {"name": "sft"})
-
-
-def check_data(cfg: FleetConfig) -> None:
+    """The SFT objective's config, ``sft.data`` read and checked (a DatasetError names the file and line)."""
     if not cfg.sft.data:
         raise ConfigError("sft.data: give a JSONL file of prompt/response or messages rows (`fleetrl data "
                           "cold-start` writes one for the built-in tasks)")
+    load_sft_rows(cfg.sft.data)
+    return objective_config(cfg, {"name": "sft"})
 
 
 def render_rows(path: str, renderer: ExampleRenderer) -> list[Example]:
@@ -52,23 +51,17 @@ def render_rows(path: str, renderer: ExampleRenderer) -> list[Example]:
     return out
 
 
-class LazyPush:
-    """Mixin: a supervised step marks the engines stale; they get the weights just before they generate."""
+class SFTTrainer(Trainer):
+    """The Trainer's loop with a supervised step over ``sft.data``. Its steps never generate: engines start only
+    for evals (``trainer.eval_every`` > 0) and get the weights just before one."""
 
-    stale = False
+    @classmethod
+    def roles(cls, cfg: FleetConfig) -> Roles:
+        return training_roles(cfg, generates=False)
 
-    def evaluate(self, step: int) -> dict:
-        if self.stale:
-            self.push_weights()
-            self.stale = False
-        return super().evaluate(step)
-
-
-class SFTTrainer(LazyPush, Trainer):
-    """The Trainer's loop with a supervised step over ``sft.data``."""
+    prepare = staticmethod(sft_config)
 
     def __init__(self, cfg: FleetConfig, resume: str | None = None, console=None):
-        check_data(cfg)
         super().__init__(cfg, resume, console)
         renderer = ExampleRenderer(self.tokenizer, cfg.data.prompt_format, cfg.data.system_prompt)
         self.examples = render_rows(cfg.sft.data, renderer)
@@ -82,7 +75,7 @@ class SFTTrainer(LazyPush, Trainer):
         batch = examples_batch(rows, self.cfg.sequences_per_step, self.pad_id)
         with timer("learn"):
             out = learner_metrics(self.learn(batch))
-        self.stale = True
+        self.engines_stale = True
         tokens = int(batch.response_mask.sum())
         return {**out, "sft/tokens": tokens, "sft/epoch": (step + 1) * len(rows) / len(self.examples),
                 "throughput/tokens_per_s": tokens / (time.perf_counter() - t0), **timer.metrics()}
@@ -91,4 +84,4 @@ class SFTTrainer(LazyPush, Trainer):
 def run_sft(cfg: FleetConfig, resume: str | None = None) -> list[dict]:
     from orchestrator.trainer import run_training
 
-    return run_training(sft_config(cfg), resume=resume, trainer_cls=SFTTrainer)
+    return run_training(cfg, resume=resume, loop=SFTTrainer)

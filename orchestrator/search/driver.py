@@ -276,8 +276,8 @@ def run_search(cfg: FleetConfig, checkpoint: str | None, methods: list[str], bud
     """Every method at every budget on the held-out prompts; writes ``search.json`` and ``search.png`` in
     ``out`` (default ``<run.dir>/search``) and returns the report."""
     from orchestrator.evaluate import resolve_model_dir
-    from orchestrator.launch import init_ray, load_tokenizer, make_task, max_model_len
-    from orchestrator.pools import PRMPool, RolloutPool, wait_ready
+    from orchestrator.fleet import Fleet, Roles
+    from orchestrator.launch import init_ray, load_tokenizer, make_task
     from orchestrator.steps import step_separator
 
     cfg = cfg.model_copy(deep=True)
@@ -292,11 +292,8 @@ def run_search(cfg: FleetConfig, checkpoint: str | None, methods: list[str], bud
     prompts = task.eval_set(cfg.data.eval_size)
     tokenizer = load_tokenizer(cfg.model.path)
     init_ray(cfg)
-    rollouts = RolloutPool(cfg, max_model_len=max_model_len(cfg))
-    prm = PRMPool(cfg, cfg.prm.path) if needs_prm else None
-    orm = PRMPool(cfg, cfg.prm.orm_path, role="orm") if "orm_best_of_n" in methods else None
-    wait_ready(rollouts, prm, orm)
-    searcher = Searcher(cfg, rollouts, prm, orm, tokenizer, step_separator(cfg), task.answer_key)
+    fleet = Fleet.start(cfg, Roles(rollout=True, prm=needs_prm, orm="orm_best_of_n" in methods))
+    searcher = Searcher(cfg, fleet.rollouts, fleet.prm, fleet.orm, tokenizer, step_separator(cfg), task.answer_key)
     results: dict[str, list[dict]] = {}
     for method in methods:
         for budget in ([1] if method == "greedy" else budgets):

@@ -1,0 +1,190 @@
+"""One object owns a run's actors: :class:`Fleet`. Every command declares which roles it uses (:class:`Roles`);
+the fleet creates every group without waiting (learner ranks, vLLM engines, reward, env, PRM/ORM and judge actors
+start side by side), waits once for the slowest, makes the weight sync when a learner and engines are both there,
+and stops all of them once. A loop that never generates (SFT without evals, DPO on a pairs file, a reward model,
+a PRM) declares no engine, so it starts no vLLM engine, no reward actor and no weight-sync probe.
+
+This is the only module that creates actor groups (``git grep "Pool(\\|LearnerGroup("``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, fields
+
+from orchestrator.config import FleetConfig
+
+log = logging.getLogger("fleetrl")
+
+
+@dataclass(frozen=True)
+class Roles:
+    """What a command uses: each flag one actor group (see :class:`Fleet`)."""
+
+    learner: bool = False  # the DeepSpeed policy ranks (`learner-i`)
+    critic: bool = False  # PPO's value ranks (`critic-i`)
+    rollout: bool = False  # the vLLM engines (`rollout-i`)
+    reward: bool = False  # the reward-function actors (`reward-i`, and `reward-model-i` with reward.model.path)
+    env: bool = False  # the environment actors (`env-i`)
+    prm: bool = False  # the process reward model of prm.path (`prm-i`)
+    orm: bool = False  # the outcome reward model of prm.orm_path (`orm-i`)
+    feedback: bool = False  # the feedback model's engines of cai.feedback_model (`judge-i`)
+    controller: bool = False  # the run's controller (`fleetrl scale`, `stop`, dashboard metrics)
+
+    def names(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name)]
+
+
+def training_roles(cfg: FleetConfig, generates: bool, engine_evals: bool = True) -> Roles:
+    """The roles of a training loop: ``generates`` (its steps sample from the policy: RL, RFT, online DPO), or
+    only ``engine_evals`` (held-out evals through the engines, when ``trainer.eval_every`` asks for them)."""
+    engines = generates or (engine_evals and cfg.trainer.eval_every > 0)
+    return Roles(learner=True, critic=cfg.algorithm.uses_critic, rollout=engines, reward=generates,
+                 env=engines and bool(cfg.env.name and cfg.env.num_workers),
+                 prm=generates and bool(cfg.prm.path) and cfg.uses_process_rewards,
+                 feedback=generates and bool(cfg.judge_spec) and cfg.cai.judge == "model", controller=True)
+
+
+class Fleet:
+    """The actor groups of one command (None where a role is not used): ``learner``, ``critic``
+    (:class:`~orchestrator.pools.LearnerGroup`), ``rollouts``, ``rewards``, ``envs``, ``prm``, ``orm``,
+    ``feedback`` (pools), ``controller`` and, with a learner and engines, ``weight_sync``."""
+
+    def __init__(self, cfg: FleetConfig, roles: Roles, judge=None):
+        """Create every group of ``roles`` without waiting (see :meth:`start`). ``judge``: the ``judge`` reward
+        (:class:`rewards.judge.Judge`), asked through the feedback engines or the policy's."""
+        from orchestrator.launch import max_model_len
+        from orchestrator.pools import EnvPool, LearnerGroup, PRMPool, RewardPool, RolloutPool
+
+        self.cfg, self.roles, self.startup_s = cfg, roles, None
+        self.t0 = time.perf_counter()
+        self.learner = LearnerGroup(cfg) if roles.learner else None
+        self.critic = LearnerGroup(cfg, role="critic") if roles.critic else None
+        self.envs = EnvPool(cfg) if roles.env else None
+        self.rollouts = RolloutPool(cfg, max_model_len=max_model_len(cfg), envs=self.envs,
+                                    current_weights=self.learner.weight_buckets if self.learner else None) \
+            if roles.rollout else None
+        self.feedback = _feedback_engines(cfg) if roles.feedback else None
+        self.rewards = RewardPool(cfg, judge=(judge, self.feedback or self.rollouts) if judge else None) \
+            if roles.reward else None
+        self.prm = PRMPool(cfg, cfg.prm.path) if roles.prm else None
+        self.orm = PRMPool(cfg, cfg.prm.orm_path, role="orm") if roles.orm else None
+        self.controller = self._controller() if roles.controller else None
+        self.weight_sync = None
+
+    @classmethod
+    def start(cls, cfg: FleetConfig, roles: Roles, judge=None, probe: tuple | None = None) -> Fleet:
+        """A fleet whose actors are all ready. ``probe``: ``(prompts, pad_id)`` for the weight push's check
+        (:mod:`orchestrator.weight_sync`), needed when the roles hold a learner and engines. A start that fails
+        stops what it started."""
+        fleet = cls(cfg, roles, judge)
+        try:
+            fleet.wait()
+            if fleet.learner and fleet.rollouts:
+                from orchestrator.weight_sync import make_weight_sync
+
+                fleet.weight_sync = make_weight_sync(cfg, fleet.learner, fleet.rollouts, *probe)
+        except BaseException:
+            fleet.stop()
+            raise
+        fleet.startup_s = time.perf_counter() - fleet.t0
+        log.info("fleet up in %.1fs: %s", fleet.startup_s, fleet.describe())
+        return fleet
+
+    def groups(self) -> dict[str, object]:
+        """The groups started, by role."""
+        named = {"learner": self.learner, "critic": self.critic, "env": self.envs, "rollout": self.rollouts,
+                 "feedback": self.feedback, "reward": self.rewards, "prm": self.prm, "orm": self.orm}
+        return {k: g for k, g in named.items() if g is not None}
+
+    def wait(self) -> None:
+        """Block until every actor has started (:func:`orchestrator.pools.wait_ready`)."""
+        from orchestrator.pools import wait_ready
+
+        wait_ready(*self.groups().values())
+
+    def workers(self) -> dict[str, list]:
+        """Every actor handle by role (a learner group's ranks, a pool's workers)."""
+        out = {}
+        for role, g in self.groups().items():
+            out[role] = list(getattr(g, "ranks", None) or g.workers)
+            if role == "reward" and g.model_pool is not None:
+                out["reward-model"] = list(g.model_pool.workers)
+        return out
+
+    def describe(self) -> str:
+        """The roles and their counts, for the banner (``2 rollout (vLLM), 1 reward, learner 2 ranks ...``)."""
+        c, parts = self.cfg, []
+        if self.rollouts:
+            parts.append(f"{len(self.rollouts.workers)} rollout (vLLM)")
+        if self.rewards:
+            parts.append(f"{len(self.rewards.workers)} reward")
+        for group in (self.learner, self.critic):
+            if group:
+                ranks = f"{group.world} rank{'s' if group.world != 1 else ''}"
+                parts.append(f"learner {ranks} (DeepSpeed ZeRO-{c.learner.zero_stage})" if group is self.learner
+                             else f"critic {ranks}")
+        if self.rewards and self.rewards.model_pool:
+            parts.append(f"{len(self.rewards.model_pool.workers)} reward-model")
+        for role in ("env", "prm", "orm", "feedback"):
+            g = self.groups().get(role)
+            if g:
+                parts.append(f"{len(g.workers)} {'judge' if role == 'feedback' else role}")
+        return ", ".join(parts) or "none"
+
+    def peak_rss(self) -> dict[str, float]:
+        """Peak resident memory of every actor, MB (ru_maxrss), as ``<role>-<i>``."""
+        import ray
+
+        refs = {f"{role}-{i}": w.peak_rss_mb.remote() for role, ws in self.workers().items()
+                for i, w in enumerate(ws)}
+        return dict(zip(refs, ray.get(list(refs.values()))))
+
+    def stop(self) -> None:
+        """Kill every actor once (and free the learner groups' placement groups); safe to call twice."""
+        import ray
+
+        for ws in self.workers().values():
+            for w in ws:
+                with contextlib.suppress(Exception):
+                    ray.kill(w, no_restart=True)
+        if self.controller is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(self.controller, no_restart=True)
+        for group in (self.learner, self.critic):
+            if group is not None:
+                with contextlib.suppress(Exception):
+                    ray.util.remove_placement_group(group.pg)
+        self.learner = self.critic = self.envs = self.rollouts = self.feedback = None
+        self.rewards = self.prm = self.orm = self.controller = self.weight_sync = None
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _controller(self):
+        from pathlib import Path
+
+        from orchestrator.controller import start_controller
+
+        c = self.cfg
+        return start_controller(Path(c.run.dir).name, c.rollout.num_workers if self.rollouts else 0,
+                                c.reward.num_workers if self.rewards else 0, c.env.num_workers if self.envs else 0)
+
+
+def _feedback_engines(cfg: FleetConfig):
+    """The `judge-i` engines of ``cai.feedback_model`` (one engine, no system prompt; ``cai.judge: model``)."""
+    from orchestrator.launch import max_model_len
+    from orchestrator.pools import JudgePool
+
+    judge_cfg = cfg.model_copy(deep=True)
+    judge_cfg.model.path = cfg.cai.feedback_model
+    judge_cfg.data.system_prompt = None
+    # room for the question around a conversation and a full-length response
+    judge_cfg.data.max_prompt_tokens = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens + 256
+    judge_cfg.rollout.num_workers = 1
+    return JudgePool(judge_cfg, max_model_len=max_model_len(judge_cfg))

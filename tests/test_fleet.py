@@ -1,0 +1,80 @@
+"""One fleet, loops chosen once (issue 42): which actors each loop starts, and every check a run makes at load
+made by `fleetrl config show` and by `fleetrl train` before anything starts. No actor starts in this file."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.config import load_config
+from orchestrator.recipes import loop_for
+from tests.test_e2e import ROOT
+
+
+@pytest.mark.parametrize("overrides,loop,roles", [
+    ([], "Trainer", ["learner", "rollout", "reward", "controller"]),
+    (["algorithm.name=ppo"], "Trainer", ["learner", "critic", "rollout", "reward", "controller"]),
+    (["algorithm.name=sft", "trainer.eval_every=0"], "SFTTrainer", ["learner", "controller"]),
+    (["algorithm.name=sft", "trainer.eval_every=5"], "SFTTrainer", ["learner", "rollout", "controller"]),
+    (["algorithm.name=dpo", "algorithm.pairs=p.jsonl"], "DPOTrainer", ["learner", "rollout", "controller"]),
+    (["algorithm.name=dpo"], "DPOTrainer", ["learner", "rollout", "reward", "controller"]),  # online: generates
+    (["algorithm.name=reward_model", "trainer.eval_every=5"], "RewardModelTrainer", ["learner", "controller"]),
+    (["algorithm.name=prm", "trainer.eval_every=5"], "PRMTrainer", ["learner", "controller"]),
+])
+def test_each_loop_is_chosen_from_its_algorithm_and_starts_only_what_it_uses(overrides, loop, roles):
+    """A loop that never generates starts no engine, reward actor or weight-sync probe; engines only for evals."""
+    cfg = load_config(None, overrides)
+    chosen = loop_for(cfg)
+    assert chosen.__name__ == loop
+    assert chosen.roles(cfg).names() == roles
+
+
+def _fleetrl(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _refused(r: subprocess.CompletedProcess, *words: str) -> None:
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
+    for w in words:
+        assert w in r.stderr, r.stderr
+
+
+def test_config_show_refuses_what_a_run_would_refuse(tmp_path):
+    """Pairs geometry, the pairs/labels/SFT files a loop reads and the principles file: refused by `config show`
+    with exit 2, in one line naming the key or file and line."""
+    _refused(_fleetrl("config", "show", "algorithm.name=dpo", "data.prompts_per_step=3", "rollout.group_size=2",
+                      "learner.num_ranks=2", "learner.micro_batch_size=3"), "even number of rows", "learner.num_ranks")
+    bad = tmp_path / "principles.yaml"
+    bad.write_text("principles:\n  - name: x\n    critique: [not, a, string]\n")
+    _refused(_fleetrl("config", "show", f"cai.principles={bad}"), "cai.principles", str(bad))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "1+1", "chosen": "2", "rejected": "3"}) + "\n" + '{"prompt": "2+2"}\n')
+    _refused(_fleetrl("config", "show", "algorithm.name=dpo", f"algorithm.pairs={pairs}"), f"{pairs}:2")
+    _refused(_fleetrl("config", "show", "algorithm.name=sft", f"sft.data={tmp_path}/none.jsonl"), "none.jsonl")
+
+
+def test_train_prm_is_refused_at_load_without_labels(tmp_path):
+    """`fleetrl train algorithm.name=prm` trains a PRM (test_process) or exits 2 at load: nothing is written."""
+    _refused(_fleetrl("train", "algorithm.name=prm", f"run.dir={tmp_path}/run"), "prm.labels")
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text(json.dumps({"prompt": "p", "steps": ["a"], "soft": [1.0]}) + "\n")
+    _refused(_fleetrl("train", "algorithm.name=prm", f"prm.labels={labels}", f"run.dir={tmp_path}/run"),
+             f"{labels}:1", "missing")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_pipeline_recipe_is_shown_by_stage_and_refused_without_stage():
+    """`config show -c recipe` prints every resolved stage; a command given a recipe needs --stage NAME."""
+    r = _fleetrl("config", "show", "-c", "configs/r1.yaml")
+    assert r.returncode == 0, r.stderr
+    heads = [line for line in r.stdout.splitlines() if line.startswith("# stage ")]
+    assert [h.split()[3] for h in heads] == ["cold_start", "reasoning_rl", "rejection_sft", "all_rl", "preference"]
+    r = _fleetrl("config", "show", "-c", "configs/r1.yaml", "--stage", "reasoning_rl")
+    assert r.returncode == 0 and "total_steps: 150" in r.stdout and "lr: 5.0e-05" in r.stdout, r.stderr
+    _refused(_fleetrl("cai", "revise", "-c", "configs/smollm2_cai.yaml", "--n", "1", "--out", "/dev/null"),
+             "pipeline recipe", "--stage")
+    _refused(_fleetrl("config", "show", "-c", "configs/r1.yaml", "--stage", "nope"), "'nope'", "cold_start")
+    _refused(_fleetrl("config", "show", "--stage", "x"), "not a pipeline recipe")
