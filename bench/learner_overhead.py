@@ -123,7 +123,7 @@ def fleetrl_rank(model: str, samples: int, response: int, rank: int, world: int,
     import torch
 
     from learner.algorithms import loss_kwargs
-    from learner.worker import LearnerWorker, ds_config
+    from learner.worker import LearnerSpec, LearnerWorker, ds_config
     from orchestrator.pools import learner_layout, learner_temperature
 
     cfg = _config(model, [f"learner.num_ranks={world}", f"learner.zero_stage={zero}"])
@@ -133,8 +133,9 @@ def fleetrl_rank(model: str, samples: int, response: int, rank: int, world: int,
     dsc = ds_config(micro, gas, world, zero, lc.lr, lc.betas, lc.weight_decay, lc.warmup_steps, lc.grad_clip,
                     "float32")
     dsc["zero_optimization"].update(zero_extra)
-    worker = LearnerWorker(rank, world, "127.0.0.1", port, model, "float32", dsc, loss_kwargs(cfg.algorithm),
-                           learner_temperature(cfg), 0, threads, reference=False, layout=learner_layout(cfg))
+    spec = LearnerSpec(model, "float32", dsc, loss_kwargs(cfg.algorithm), learner_temperature(cfg), 0,
+                       reference=False, layout=learner_layout(cfg))
+    worker = LearnerWorker(rank, world, "127.0.0.1", port, spec, threads)
     batch = make_batch(worker.hf_model.config.vocab_size, samples, response)
     shard = batch.shards(world)[rank]
     logp = worker.compute_logprobs(shard, micro)["old_logprobs"]  # the weights before any update

@@ -5,12 +5,20 @@ after a change, side by side on this machine.
     python -m bench.startup --before a7e41a6      # the same runs of an older commit (a git worktree) first
     python -m bench.startup --profile             # where the start-up goes (this checkout, default config)
     python -m bench.startup --fresh --before X    # as on a fresh machine: no JIT-built op cached from earlier runs
+    python -m bench.startup --before X --after Y --cases sft,reward_model,r1_pipeline --name startup_fleet
 
-Each run is `fleetrl train -c CONFIG trainer.total_steps=1` in its own process with a private local Ray
+``--after Y``: the second side from a worktree of commit Y instead of this checkout (so the checkout can change while
+it runs). Each run is `fleetrl train -c CONFIG trainer.total_steps=1` in its own process with a private local Ray
 instance, timed from outside the same way for any commit: launch -> the banner (printed once every actor is
 up) -> the first training step's row in metrics.jsonl -> exit. Medians over the runs. ``--fresh`` gives each run
 an empty torch extensions cache (``TORCH_EXTENSIONS_DIR``), as a new user's first run and a clean CI machine have.
 ``--profile`` times the driver's phases in-process and reads every actor's CPU seconds when all are ready.
+
+The ``sft`` and ``reward_model`` cases are a supervised stage without evals (`fleetrl train algorithm.name=sft
+sft.data=...` on 64 cold-start rows, `algorithm.name=reward_model` on 160 preference pairs). ``r1_pipeline`` is
+`fleetrl pipeline -c configs/r1.yaml trainer.total_steps=2 data.eval_size=32`: five stages, each with an eval
+before and after; it reports the wall time and the sum of the stages' own start-up (``startup_s`` of each stage's
+summary.json: config loaded -> actors ready for that stage).
 """
 
 from __future__ import annotations
@@ -34,7 +42,48 @@ CASES = {
     "default": ("configs/default.yaml", []),
     "smollm2": ("configs/smollm2_arith.yaml", ["trainer.eval_every=0"]),
     "tool": ("configs/tool_calc.yaml", ["trainer.eval_every=0"]),
+    "sft": ("configs/default.yaml", ["algorithm.name=sft", "sft.data={sft_data}", "trainer.eval_every=0"]),
+    "reward_model": ("configs/default.yaml", ["algorithm.name=reward_model", "algorithm.pairs={pairs}",
+                                              "trainer.eval_every=0"]),
 }
+PIPELINE = ["pipeline", "-c", "configs/r1.yaml", "trainer.total_steps=2", "data.eval_size=32"]
+
+
+def stage_data() -> dict[str, str]:
+    """The SFT rows and preference pairs the ``sft`` and ``reward_model`` cases train on (written once)."""
+    import random
+
+    from orchestrator.config import load_config
+    from orchestrator.recipes.cold_start import write_cold_start
+    from rewards.tasks import make_task
+
+    out = (RUNS_DIR / "startup-data").resolve()
+    sft, pairs = out / "sft.jsonl", out / "pairs.jsonl"
+    if not sft.exists():
+        write_cold_start(load_config(None, []).data, 64, sft)
+    if not pairs.exists():
+        rng = random.Random(0)
+        rows = [{"prompt": p.text, "chosen": p.metadata["answer"],
+                 "rejected": str(int(p.metadata["answer"]) * 10 + rng.randrange(10))}
+                for p in make_task("arithmetic").train_batch(0, 160)]
+        pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"sft_data": str(sft), "pairs": str(pairs)}
+
+
+def timed_pipeline(code: Path, run_dir: Path) -> dict:
+    """One R1 pipeline smoke run of ``code``: its wall time and the sum of its stages' start-up."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    env = dict(os.environ, **SUBPROCESS_ENV, PYTHONPATH=str(code))
+    env.pop("RAY_ADDRESS", None)
+    t0 = time.perf_counter()
+    proc = subprocess.run([PY, "-m", "orchestrator", *PIPELINE, f"run.dir={run_dir}"], cwd=code, env=env,
+                          capture_output=True, text=True)
+    total = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"pipeline failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    stages = sorted(p for p in run_dir.iterdir() if (p / "summary.json").exists())
+    startup = [json.loads((p / "summary.json").read_text())["startup_s"] for p in stages]
+    return {"wall_s": round(total, 1), "startup_sum_s": round(sum(startup), 1), "stage_startup_s": startup}
 
 
 def timed_run(code: Path, config: str, overrides: list[str], run_dir: Path, fresh: bool = False) -> dict:
@@ -78,16 +127,19 @@ def checkout(rev: str) -> Path:
 
 
 def measure(label: str, code: Path, cases: list[str], repeats: int, fresh: bool = False) -> dict:
-    out = {}
+    out, data = {}, stage_data()
     for case in cases:
-        config, overrides = CASES[case]
         runs = []
         for i in range(repeats):
-            runs.append(timed_run(code, config, overrides, (RUNS_DIR / f"startup-{label}-{case}-{i}").resolve(),
-                                  fresh))
+            run_dir = (RUNS_DIR / f"startup-{label}-{case}-{i}").resolve()
+            if case == "r1_pipeline":
+                runs.append(timed_pipeline(code, run_dir))
+            else:
+                config, overrides = CASES[case]
+                runs.append(timed_run(code, config, [o.format(**data) for o in overrides], run_dir, fresh))
             print(f"{label:>8} {case:>8} run {i}: {runs[-1]}", flush=True)
-        out[case] = {"runs": runs, **{k: statistics.median(r[k] for r in runs)
-                                      for k in ("actors_up_s", "first_step_s", "exit_s")}}
+        out[case] = {"runs": runs, **{k: statistics.median(r[k] for r in runs) for k in runs[0]
+                                      if isinstance(runs[0][k], float)}}
     return out
 
 
@@ -145,7 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     def extra(ap):
         ap.add_argument("--before", help="a commit to measure first, side by side (a git worktree)")
         ap.add_argument("--repeats", type=int, default=3)
-        ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+        ap.add_argument("--after", help="measure this commit (a git worktree) instead of this checkout")
+        ap.add_argument("--cases", default="default,smollm2,tool",
+                        help=f"comma-separated, of {', '.join(CASES)}, r1_pipeline")
         ap.add_argument("--profile", action="store_true", help="only the phase breakdown of this checkout")
         ap.add_argument("--fresh", action="store_true", help="each run with an empty torch extensions cache")
         ap.add_argument("--name", default="startup", help="the result file: bench/results/NAME.json")
@@ -161,10 +215,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.before:
         result["before"] = {"commit": args.before,
                             **measure("before", checkout(args.before), cases, repeats, args.fresh)}
-    result["after"] = measure("after", ROOT, cases, repeats, args.fresh)
+    if args.after:
+        result["after_commit"] = args.after
+    result["after"] = measure("after", checkout(args.after) if args.after else ROOT, cases, repeats, args.fresh)
     for case in cases:
-        line = [f"{case:>8}"] + [f"{side}: up {result[side][case]['actors_up_s']} s, first step "
-                                 f"{result[side][case]['first_step_s']} s" for side in ("before", "after")
+        line = [f"{case:>8}"] + [f"{side}: " + ", ".join(f"{k} {v}" for k, v in result[side][case].items()
+                                                        if k != "runs") for side in ("before", "after")
                                  if side in result]
         print(" | ".join(line))
     save_result(args.name, args.quick, result)

@@ -12,7 +12,7 @@ import math
 import os
 import time
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from learner.batch import TrainBatch
 from learner.forward import HiddenStatesLM, critic_values, policy_logprobs
@@ -26,47 +26,79 @@ def _set_dist_env(rank: int, world_size: int, master_addr: str, master_port: int
                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
 
 
-class LearnerWorker(LoggedActor):
-    """Plain class; the orchestrator wraps it with ``ray.remote`` and names it ``learner-i``."""
+@dataclass(frozen=True)
+class LearnerSpec:
+    """What a learner group trains and how: the typed record the driver sends every rank
+    (:func:`orchestrator.pools.learner_spec` builds it from the config). ``role="actor"``: causal LM policy +
+    frozen reference (``reference``), trained with the registered loss of ``loss_kwargs``; ``lora``
+    (:meth:`orchestrator.lora_config.LoraSection.spec`): PEFT adapters on it, the base frozen and serving as the
+    reference with the adapters off (:mod:`learner.lora`). ``role="critic"``: the same architecture with a scalar
+    head (initialized from the policy weights, head fresh), trained with ``value_loss(**loss_kwargs)``; with
+    ``lora`` its own adapters and value head on its frozen base. ``layout``: packing, logprob chunking,
+    token-budget micro-batches (:class:`learner.packing.Layout`); ``autocast``: the mixed-precision compute dtype."""
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
-                 dtype: str, ds_config: dict, loss_kwargs: dict, temperature: float, seed: int, torch_threads: int,
-                 gradient_checkpointing: bool = False, role: str = "actor", reference: bool = True,
-                 autocast: str | None = None, layout: Layout | None = None, lora: dict | None = None):
-        """``role="actor"``: causal LM policy + frozen reference, trained with ``policy_loss(**loss_kwargs)``;
-        ``lora`` (:meth:`orchestrator.lora_config.LoraSection.spec`): PEFT adapters on it, the base frozen and
-        serving as the reference with the adapters off (:mod:`learner.lora`).
-        ``role="critic"``: the same architecture with a scalar head (initialized from the policy weights, head
-        fresh), trained with ``value_loss(**loss_kwargs)``; with ``lora`` (``learner.lora.critic``) its own adapters
-        and value head on its frozen base. ``layout``: packing, logprob chunking, token-budget
-        micro-batches (:class:`learner.packing.Layout`)."""
+    model_path: str
+    dtype: str
+    ds_config: dict
+    loss_kwargs: dict
+    temperature: float
+    seed: int
+    gradient_checkpointing: bool = False
+    role: str = "actor"
+    reference: bool = True
+    autocast: str | None = None
+    layout: Layout = field(default_factory=Layout)
+    lora: dict | None = None
+
+
+class LearnerWorker(LoggedActor):
+    """Plain class; the orchestrator wraps it with ``ray.remote`` and names it ``learner-i``. The process joins
+    the group's torch.distributed group once; :meth:`load` builds (and can rebuild, for the next run on the same
+    fleet) the models and the DeepSpeed engine of a :class:`LearnerSpec`."""
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, spec: LearnerSpec,
+                 torch_threads: int):
         self._start_logging()
         skip_unused_imports()
         import torch
 
         torch.set_num_threads(torch_threads)
-        torch.manual_seed(seed + rank)
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         _set_dist_env(rank, world_size, master_addr, master_port)
         import deepspeed
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         if not on_gpu:
             skip_unused_comm_op()
         deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
         self.rank, self.world_size = rank, world_size
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        torch_dtype = getattr(torch, dtype)
+        # a token budget gives ranks different micro-batch counts: they agree on the largest over this group
+        self._count_group = torch.distributed.new_group(backend="gloo") if world_size > 1 else None
+        self.engine = None
+        self.load(spec)
+
+    def load(self, spec: LearnerSpec) -> str:
+        """Build the models and the DeepSpeed engine of ``spec`` (a fresh optimizer), replacing any earlier ones;
+        returns this rank's name."""
+        import gc
+
+        import deepspeed
+        import torch
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+        self.engine = self.ref = self.hf_model = self.peft = None  # the previous run's, if any
+        gc.collect()
+        torch.manual_seed(spec.seed + self.rank)
+        torch_dtype, role, lora = getattr(torch, spec.dtype), spec.role, spec.lora
         self.role = role
-        self.autocast = getattr(torch, autocast) if autocast else None  # mixed precision: compute dtype
-        self.ref = None  # the frozen reference policy, only when a KL term reads it (or KL is logged)
-        self.peft = None  # the PEFT model when this group (the policy, or a LoRA critic) trains LoRA adapters
+        self.autocast = getattr(torch, spec.autocast) if spec.autocast else None  # mixed precision: compute dtype
         self.lora_push = (lora or {}).get("push", "merged")
-        self.has_ref = reference and role != "critic"
+        self.has_ref = spec.reference and role != "critic"
         if role == "critic":
-            self.hf_model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch_dtype)
+            self.hf_model = AutoModelForTokenClassification.from_pretrained(spec.model_path, num_labels=1,
+                                                                            dtype=torch_dtype)
             model = self.hf_model
             _disable_dropout(model)  # as the policy's: values must not depend on which pass computes them
             if lora:  # its own adapters and its value head on its own frozen base
@@ -75,7 +107,7 @@ class LearnerWorker(LoggedActor):
                 self.peft = add_adapters(self.hf_model, lora, value_head=True)
                 checkpoint_adapters_only(model)
         else:
-            self.hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+            self.hf_model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch_dtype)
             _disable_dropout(self.hf_model)  # the learner's logprobs must equal the engine's (and the old policy's)
             if lora:
                 from learner.lora import add_adapters, checkpoint_adapters_only
@@ -84,26 +116,25 @@ class LearnerWorker(LoggedActor):
             model = HiddenStatesLM(self.hf_model)  # the engine's forward gives hidden states; the head runs chunked
             if lora:
                 checkpoint_adapters_only(model)  # a checkpoint holds the adapters, not the frozen base
-            if reference and not lora:
-                lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
+            if spec.reference and not lora:
+                lm = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch_dtype).to(self.device).eval()
                 self.ref = HiddenStatesLM(lm.requires_grad_(False))
-        if gradient_checkpointing:
+        if spec.gradient_checkpointing:
             self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # from_pretrained returns eval mode, where transformers skips gradient checkpointing
         trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=spec.ds_config)
         _load_checkpoints_weights_only(self.engine)
         # the registered loss (learner.losses.LOSSES) this group trains with, and its settings
-        self.objective = loss_kwargs.get("objective", "value" if role == "critic" else "policy")
-        self.loss_kwargs = {k: v for k, v in loss_kwargs.items() if k != "objective"}
-        self.layout = layout or Layout()
+        self.objective = spec.loss_kwargs.get("objective", "value" if role == "critic" else "policy")
+        self.loss_kwargs = {k: v for k, v in spec.loss_kwargs.items() if k != "objective"}
+        self.layout = spec.layout
         self.with_entropy = self.objective == "policy" and (self.layout.entropy
-                                                            or bool(loss_kwargs.get("entropy_coef")))
-        # a token budget gives ranks different micro-batch counts: they agree on the largest over this group
-        self._count_group = torch.distributed.new_group(backend="gloo") if world_size > 1 else None
-        self.temperature = temperature
-        self.zero_stage = ds_config["zero_optimization"]["stage"]
-        self.model_path = model_path
+                                                            or bool(spec.loss_kwargs.get("entropy_coef")))
+        self.temperature = spec.temperature
+        self.zero_stage = spec.ds_config["zero_optimization"]["stage"]
+        self.model_path = spec.model_path
+        return self.name
 
     # ---- forward passes -------------------------------------------------------------------------------
     def _forward(self, model, mb: TrainBatch, with_entropy: bool = False):

@@ -4,6 +4,13 @@ start side by side), waits once for the slowest, makes the weight sync when a le
 and stops all of them once. A loop that never generates (SFT without evals, DPO on a pairs file, a reward model,
 a PRM) declares no engine, so it starts no vLLM engine, no reward actor and no weight-sync probe.
 
+A fleet can serve several runs in turn (:meth:`Fleet.serve`: pipeline stages, tests): a group whose actors fit the
+next run keeps them. The learner ranks build the run's model, loss and optimizer in place (same ranks and
+resources); engines of the same model shape and engine settings get the run's starting weights from the learner;
+reward, env, PRM/ORM and judge actors with the same settings are kept as they are. What does not fit is stopped and
+started again, a role the run does not use is stopped, and every kept actor writes its output under the new run's
+``logs/``.
+
 This is the only module that creates actor groups (``git grep "Pool(\\|LearnerGroup("``).
 """
 
@@ -13,6 +20,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from orchestrator.config import FleetConfig
 
@@ -73,6 +81,7 @@ class Fleet:
         self.orm = PRMPool(cfg, cfg.prm.orm_path, role="orm") if roles.orm else None
         self.controller = self._controller() if roles.controller else None
         self.weight_sync = None
+        self.runs = 0  # the runs this fleet served (serve)
 
     @classmethod
     def start(cls, cfg: FleetConfig, roles: Roles, judge=None, probe: tuple | None = None) -> Fleet:
@@ -92,6 +101,94 @@ class Fleet:
         fleet.startup_s = time.perf_counter() - fleet.t0
         log.info("fleet up in %.1fs: %s", fleet.startup_s, fleet.describe())
         return fleet
+
+    def serve(self, cfg: FleetConfig, roles: Roles, judge=None, probe: tuple | None = None) -> Fleet:
+        """This fleet, ready for a run of ``cfg`` with ``roles`` (see the module): kept where the actors fit,
+        replaced where they do not; the engines serve the run's starting model. The first run of a fleet
+        started for exactly this config uses it as it is."""
+        import ray
+
+        t0 = time.perf_counter()
+        self.runs += 1
+        if self.runs == 1 and cfg == self.cfg and roles == self.roles:
+            return self
+        old, self.cfg, self.roles = self.cfg, cfg, roles
+        kept = self._keep(old, cfg, roles, judge)
+        self._log_to(cfg, kept)
+        loading = [ref for role in ("learner", "critic") if role in kept for ref in getattr(self, role).load(cfg)]
+        new = [r for r in roles.names() if r not in kept and r != "controller"]
+        fresh = Fleet(cfg, Roles(**dict.fromkeys(new, True)), judge)
+        for role in new:
+            setattr(self, _ATTR[role], getattr(fresh, _ATTR[role]))
+        if self.rollouts is not None:  # the groups' links, across kept and new groups
+            self.rollouts.envs = self.envs
+            self.rollouts.current_weights = self.learner.weight_buckets if self.learner else None
+        if self.rewards is not None and judge is not None:
+            self.rewards.judge_engines = self.feedback or self.rollouts
+        self.controller = self._controller() if roles.controller else None
+        ray.get(loading)
+        self.wait()
+        self.weight_sync = None
+        if self.learner and self.rollouts:
+            from orchestrator.weight_sync import make_weight_sync
+
+            self.weight_sync = make_weight_sync(cfg, self.learner, self.rollouts, *probe)
+            if "rollout" in kept:  # the engines hold the last run's weights: the run starts from its own
+                self.weight_sync.push(0)
+        self.startup_s = time.perf_counter() - t0
+        log.info("fleet served a new run in %.1fs: kept %s; %s", self.startup_s, sorted(kept) or "nothing",
+                 self.describe())
+        return self
+
+    def _keep(self, old: FleetConfig, cfg: FleetConfig, roles: Roles, judge) -> set[str]:
+        """The roles whose actors fit the new run (see :func:`fit_keys`); every other group is stopped."""
+        before, after = fit_keys(old), fit_keys(cfg)
+        kept = {r for r in roles.names() if r != "controller" and getattr(self, _ATTR[r]) is not None
+                and before[r] == after[r]}
+        if "rollout" in kept and not (roles.learner and "learner" in kept or old.model.path == cfg.model.path):
+            kept.discard("rollout")  # no learner to push the new model from, and another model
+        if judge is not None or (self.rewards is not None and self.rewards.judge is not None):
+            kept.discard("reward")  # the judge reward holds engines of the run that made it
+        for role in set(_ATTR) - kept:
+            self._stop(role)
+        for role in kept:
+            group = getattr(self, _ATTR[role])
+            group.cfg = cfg
+            if hasattr(group, "restarts"):
+                group.restarts, group.recovery_s = 0, 0.0  # the budget is per run
+        return kept
+
+    def _log_to(self, cfg: FleetConfig, kept: set[str]) -> None:
+        """Every kept actor writes its output under ``<run.dir>/logs`` from now on."""
+        import ray
+
+        from orchestrator.console import log_dir, remember_actor
+
+        handles = [w for role, ws in self.workers().items() if role.split("-")[0] in kept for w in ws]
+        paths = ray.get([w.log_to.remote(str(log_dir(cfg.run.dir))) for w in handles])
+        for w, path in zip(handles, paths):
+            if path:
+                remember_actor(w, Path(path).stem, cfg.run.dir)
+
+    def _stop(self, role: str) -> None:
+        import ray
+
+        group = getattr(self, _ATTR[role])
+        if group is None:
+            return
+        if role == "controller":
+            handles = [group]
+        else:
+            handles = list(getattr(group, "ranks", None) or group.workers)
+            if role == "reward" and group.model_pool is not None:
+                handles += group.model_pool.workers
+        for w in handles:
+            with contextlib.suppress(Exception):
+                ray.kill(w, no_restart=True)
+        if role in ("learner", "critic"):
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(group.pg)
+        setattr(self, _ATTR[role], None)
 
     def groups(self) -> dict[str, object]:
         """The groups started, by role."""
@@ -144,21 +241,9 @@ class Fleet:
 
     def stop(self) -> None:
         """Kill every actor once (and free the learner groups' placement groups); safe to call twice."""
-        import ray
-
-        for ws in self.workers().values():
-            for w in ws:
-                with contextlib.suppress(Exception):
-                    ray.kill(w, no_restart=True)
-        if self.controller is not None:
-            with contextlib.suppress(Exception):
-                ray.kill(self.controller, no_restart=True)
-        for group in (self.learner, self.critic):
-            if group is not None:
-                with contextlib.suppress(Exception):
-                    ray.util.remove_placement_group(group.pg)
-        self.learner = self.critic = self.envs = self.rollouts = self.feedback = None
-        self.rewards = self.prm = self.orm = self.controller = self.weight_sync = None
+        for role in _ATTR:
+            self._stop(role)
+        self.weight_sync = None
 
     def __enter__(self) -> Fleet:
         return self
@@ -174,6 +259,53 @@ class Fleet:
         c = self.cfg
         return start_controller(Path(c.run.dir).name, c.rollout.num_workers if self.rollouts else 0,
                                 c.reward.num_workers if self.rewards else 0, c.env.num_workers if self.envs else 0)
+
+
+_ATTR = {"learner": "learner", "critic": "critic", "env": "envs", "rollout": "rollouts", "feedback": "feedback",
+         "reward": "rewards", "prm": "prm", "orm": "orm", "controller": "controller"}
+"""Role -> the Fleet attribute holding its group."""
+
+
+def fit_keys(cfg: FleetConfig) -> dict[str, object]:
+    """Per role, what its actors were built from, apart from the weights a run loads or pushes: another run whose
+    key is the same can use them (:meth:`Fleet.serve`)."""
+    from orchestrator.launch import max_model_len
+    from orchestrator.pools import placement_key
+
+    c = cfg.model_dump(mode="json")
+    r = c["rollout"]
+    engine = {k: r[k] for k in ("num_workers", "num_cpus", "num_gpus", "resources", "kv_cache_gib", "seed",
+                                "gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "stop",
+                                "max_restarts")}
+    return {
+        "learner": placement_key(cfg), "critic": placement_key(cfg),
+        "rollout": (engine, cfg.engine_dtype, max_model_len(cfg), c["data"]["prompt_format"],
+                    c["data"]["system_prompt"], c["learner"]["lora"], model_shape(cfg.model.path)),
+        "reward": (c["reward"], c["cai"]), "env": (c["env"], r["max_restarts"], c["data"]["system_prompt"]),
+        "prm": (c["prm"], c["reward"]["max_restarts"], c["trainer"]["torch_threads"]),
+        "orm": (c["prm"], c["reward"]["max_restarts"], c["trainer"]["torch_threads"]),
+        "feedback": (c["cai"], engine, max_model_len(cfg), c["data"]["max_prompt_tokens"]),
+    }
+
+
+def model_shape(path: str) -> tuple:
+    """A model directory's architecture (config.json without its name, dtype and version) and tokenizer files: two
+    directories with the same shape take each other's weights in the same engines."""
+    import hashlib
+    import json
+
+    root = Path(path)
+    try:
+        arch = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        return (path,)
+    for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
+        arch.pop(k, None)
+    digest = hashlib.sha256()
+    for f in sorted(root.glob("*")):
+        if f.is_file() and f.name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "chat_template")):
+            digest.update(f.name.encode() + f.read_bytes())
+    return json.dumps(arch, sort_keys=True), digest.hexdigest()
 
 
 def _feedback_engines(cfg: FleetConfig):

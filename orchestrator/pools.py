@@ -16,7 +16,7 @@ from learner.algorithms import critic_loss_kwargs
 from learner.algorithms import loss_kwargs as policy_loss_kwargs
 from learner.batch import TrainBatch
 from learner.packing import Layout
-from learner.worker import LearnerWorker, ds_config
+from learner.worker import LearnerSpec, LearnerWorker, ds_config
 from orchestrator.config import FleetConfig
 from orchestrator.console import actor_failed, actor_label, remember_actor
 from rewards.reward_model import RewardModelWorker
@@ -395,32 +395,32 @@ class LearnerGroup:
         self.cfg = cfg
         self.role = role
         self.prefix = prefix = "critic" if role == "critic" else "learner"
-        lr = cfg.algorithm.critic_lr if role == "critic" else lc.lr
-        loss_kwargs = critic_loss_kwargs(cfg.algorithm) if role == "critic" else policy_loss_kwargs(cfg.algorithm)
         self.world = lc.num_ranks
+        self.placement = placement_key(cfg)
         bundle = {"CPU": lc.num_cpus, **({"GPU": lc.num_gpus} if lc.num_gpus else {}), **lc.resources}
         self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy="PACK")
         ray.get(self.pg.ready())
         master_addr = self._bundle0_ip()
         port = lc.master_port or _free_port()
-        gas = cfg.micro_batches_per_rank()
-        micro = (cfg.sequences_per_step // (self.world * lc.num_minibatches)) // gas
-        self.micro_batch_size = micro
-        dsc = ds_config(micro, gas, self.world, lc.zero_stage, lr, lc.betas, lc.weight_decay, lc.warmup_steps,
-                        lc.grad_clip, cfg.model.dtype)
+        spec = learner_spec(cfg, role)
+        self.micro_batch_size = spec.ds_config["train_micro_batch_size_per_gpu"]
         self.ranks = [
             ray.remote(LearnerWorker).options(
                 name=f"{prefix}-{r}", num_cpus=lc.num_cpus, num_gpus=lc.num_gpus, resources=lc.resources or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
                 runtime_env={"env_vars": log_env(cfg)},
-            ).remote(r, self.world, master_addr, port, cfg.model.path, cfg.model.dtype, dsc, loss_kwargs,
-                     learner_temperature(cfg), cfg.trainer.seed, cfg.trainer.torch_threads, lc.gradient_checkpointing,
-                     role, cfg.uses_reference, lc.mixed_precision, learner_layout(cfg),
-                     lc.lora.spec() if role == "actor" or lc.lora.critic else None)
+            ).remote(r, self.world, master_addr, port, spec, cfg.trainer.torch_threads)
             for r in range(self.world)
         ]
         for r, handle in enumerate(self.ranks):
             remember_actor(handle, f"{prefix}-{r}", cfg.run.dir)
+
+    def load(self, cfg: FleetConfig) -> list:
+        """Another run on these ranks (same placement, :func:`placement_key`): every rank builds ``cfg``'s model,
+        loss and optimizer (:meth:`LearnerWorker.load`); returns the ObjectRefs to wait for."""
+        self.cfg, spec = cfg, learner_spec(cfg, self.role)
+        self.micro_batch_size = spec.ds_config["train_micro_batch_size_per_gpu"]
+        return [w.load.remote(spec) for w in self.ranks]
 
     def ready(self) -> list:
         """ObjectRefs that resolve once every rank has built its DeepSpeed engine (see :func:`wait_ready`)."""
@@ -520,6 +520,28 @@ def log_env(cfg: FleetConfig) -> dict[str, str]:
     from pathlib import Path
 
     return actor_env(str(Path(cfg.run.dir) / "logs"), cfg.run.verbose)
+
+
+def learner_spec(cfg: FleetConfig, role: str = "actor") -> LearnerSpec:
+    """What the ``role`` group (``actor`` or ``critic``) of ``cfg`` trains: model, DeepSpeed config, loss, layout."""
+    lc = cfg.learner
+    lr = cfg.algorithm.critic_lr if role == "critic" else lc.lr
+    loss_kwargs = critic_loss_kwargs(cfg.algorithm) if role == "critic" else policy_loss_kwargs(cfg.algorithm)
+    gas = cfg.micro_batches_per_rank()
+    micro = (cfg.sequences_per_step // (lc.num_ranks * lc.num_minibatches)) // gas
+    dsc = ds_config(micro, gas, lc.num_ranks, lc.zero_stage, lr, lc.betas, lc.weight_decay, lc.warmup_steps,
+                    lc.grad_clip, cfg.model.dtype)
+    return LearnerSpec(cfg.model.path, cfg.model.dtype, dsc, loss_kwargs, learner_temperature(cfg), cfg.trainer.seed,
+                       lc.gradient_checkpointing, role, cfg.uses_reference, lc.mixed_precision, learner_layout(cfg),
+                       lc.lora.spec() if role == "actor" or lc.lora.critic else None)
+
+
+def placement_key(cfg: FleetConfig) -> tuple:
+    """What fixes a learner group's actors (ranks, their resources, the rendezvous port, the threads): another run
+    with the same key can load into them."""
+    lc = cfg.learner
+    return lc.num_ranks, lc.num_cpus, lc.num_gpus, tuple(sorted(lc.resources.items())), lc.master_port, \
+        cfg.trainer.torch_threads
 
 
 def learner_layout(cfg: FleetConfig) -> Layout:

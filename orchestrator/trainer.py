@@ -76,7 +76,8 @@ class Trainer:
         return training_roles(cfg, generates=True)
 
     def start(self, fleet: Fleet | None = None) -> None:
-        """Create the run directory and start the loop's fleet (or use ``fleet``, started for this config)."""
+        """Create the run directory and start the loop's fleet, or have ``fleet`` serve this run
+        (:meth:`orchestrator.fleet.Fleet.serve`)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
         if self.resume_from:
@@ -87,8 +88,9 @@ class Trainer:
         roles = self.roles(self.cfg)
         self.console.print(f"fleetrl: starting the actors ({', '.join(roles.names())}); their output goes to "
                            f"{self.run_dir / 'logs'}/")
-        self.fleet = fleet or Fleet.start(self.cfg, roles, self.judge,
-                                          probe=(self.task.train_batch(0, 1), self.pad_id))
+        probe = (self.task.train_batch(0, 1), self.pad_id)
+        self.fleet = fleet.serve(self.cfg, roles, self.judge, probe) if fleet else \
+            Fleet.start(self.cfg, roles, self.judge, probe)
         self.startup_s = time.perf_counter() - self.t_config
         log.info("actors up %.1fs after the config was loaded: %s", self.startup_s, self.fleet.describe())
         for line in banner(self.cfg, self.fleet.describe(), self.dashboard, self.startup_s):
@@ -553,9 +555,11 @@ def learner_metrics(m: dict) -> dict:
     return out
 
 
-def run_training(cfg: FleetConfig, resume: str | None = None, loop: type | None = None) -> list[dict]:
+def run_training(cfg: FleetConfig, resume: str | None = None, loop: type | None = None,
+                 fleet: Fleet | None = None) -> list[dict]:
     """Check the inputs, join or start Ray, then run the loop (``loop``: default the config's, :func:`orchestrator.
-    recipes.loop_for`). The driver's own log goes to ``<run.dir>/logs/driver.log``."""
+    recipes.loop_for`) on its own fleet, or on ``fleet`` (kept up after the run). The driver's own log goes to
+    ``<run.dir>/logs/driver.log``."""
     from orchestrator.recipes import loop_for
 
     loop = loop or loop_for(cfg)
@@ -564,4 +568,4 @@ def run_training(cfg: FleetConfig, resume: str | None = None, loop: type | None 
     console.setup_logging(Path(cfg.run.dir))
     trainer = loop(cfg, resume, console)  # checks --resume and data before any actor
     trainer.dashboard = init_ray(cfg)
-    return trainer.run()
+    return trainer.run(fleet)

@@ -43,6 +43,11 @@ class LoggedActor:
     def __repr__(self) -> str:
         return self.name or type(self).__name__
 
+    def log_to(self, log_dir: str) -> str | None:
+        """From now on write this actor's output under ``log_dir`` (another run on the same fleet)."""
+        os.environ[LOG_DIR_ENV] = os.path.abspath(log_dir)
+        return capture_output(self.name)
+
     def peak_rss_mb(self) -> float:
         """Peak resident memory of this actor's process, MB."""
         return peak_rss_mb()

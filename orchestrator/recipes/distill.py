@@ -65,7 +65,7 @@ def teacher_data(cfg: FleetConfig, out: Path) -> dict:
             "prompts_with_kept": len({x.sample.prompt_uid for x in kept})}
 
 
-def run_distill(cfg: FleetConfig, resume: str | None = None) -> dict:
+def run_distill(cfg: FleetConfig, resume: str | None = None, fleet=None) -> dict:
     from orchestrator.launch import init_ray
     from orchestrator.recipes.sft import run_sft
 
@@ -81,7 +81,7 @@ def run_distill(cfg: FleetConfig, resume: str | None = None) -> dict:
                  report["kept"], 100 * report["kept_fraction"])
     tree = cfg.model_dump()
     tree["sft"]["data"] = str(data)
-    history = run_sft(FleetConfig.model_validate(tree), resume=resume)
+    history = run_sft(FleetConfig.model_validate(tree), resume=resume, fleet=fleet)
     evals = [m["eval/accuracy"] for m in history if "eval/accuracy" in m]
     report.update(student_accuracy_before=evals[0] if evals else None,
                   student_accuracy_after=evals[-1] if evals else None)

@@ -18,9 +18,13 @@ stage's ``final/`` model (the first from ``model.path``) and draws its own train
 config, data files and teacher are checked before the first stage starts. ``<run.dir>/summary.json`` records
 each stage (name, kind, status, held-out accuracy after it, seconds, model path, attempts, the checkpoint it
 resumed from); rerunning the same command skips finished
-stages and resumes an interrupted one from its newest complete checkpoint. Each stage runs as its own
-``fleetrl <command>`` process (joining ``run.ray_address`` / ``RAY_ADDRESS`` when set), so a stage's actors are gone
-when it ends.
+stages and resumes an interrupted one from its newest complete checkpoint.
+
+The stages run in this process, one after another on one fleet (:meth:`orchestrator.fleet.Fleet.serve`): the
+learner ranks load each stage's starting model, loss and optimizer in place, the engines get its weights, and the
+reward actors stay, instead of a start-up per stage; a stage whose settings change a group's actors (ranks,
+engine settings, reward functions) gets new ones for that group. The data a stage writes first with
+Constitutional AI (``cai_revisions``, ``ai_preferences``) comes from a ``fleetrl cai`` process of its own.
 """
 
 from __future__ import annotations
@@ -262,7 +266,8 @@ def _prepare(st: Stage) -> list[str]:
     return []
 
 
-def run_stage(st: Stage, summary: Summary, row: dict) -> None:
+def run_stage(st: Stage, summary: Summary, row: dict, fleet) -> None:
+    """Run one stage on ``fleet`` (its data written first), recording it in the summary."""
     extra = _prepare(st)
     st.dir.mkdir(parents=True, exist_ok=True)
     cfg = st.cfg
@@ -286,19 +291,46 @@ def run_stage(st: Stage, summary: Summary, row: dict) -> None:
     print(f"pipeline: stage {st.index} {st.name} ({st.kind})" + (f", resuming from {resumed}" if resumed else ""),
           flush=True)
     t0 = time.time()
-    if st.kind == "rft":  # a recipe's rounds are its trainer.total_steps (so one override shrinks every stage)
-        extra += ["--rounds", str(cfg.trainer.total_steps)]
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", COMMANDS[st.kind], "-c", str(config), *extra],
-                          env=dict(os.environ))
-    row["seconds"] = round(row["seconds"] + time.time() - t0, 1)
-    if proc.returncode != 0:
+    try:
+        run_kind(st.kind, cfg, resumed, fleet)
+    except Exception as e:
+        from orchestrator.console import describe_failure
+
         row["status"] = "failed"
         summary.write()
-        raise StageFailed(f"stage {st.index} ({st.name}) failed with exit code {proc.returncode}; its log is in "
-                          f"{st.dir / 'logs'}; rerun the same command to resume it")
+        why = describe_failure(e) or f"{type(e).__name__}: {e}"
+        raise StageFailed(f"stage {st.index} ({st.name}) failed: {why}; its log is in {st.dir / 'logs'}; rerun the "
+                          "same command to resume it") from e
+    finally:
+        row["seconds"] = round(row["seconds"] + time.time() - t0, 1)
     result = json.loads((st.dir / "summary.json").read_text())
     row.update(status="finished", accuracy=result.get("eval_accuracy_last"), model=str(st.dir / "final"))
     summary.write()
+
+
+def run_kind(kind: str, cfg: FleetConfig, resume: str | None, fleet) -> None:
+    """A stage's training, as its command (:data:`COMMANDS`) runs it, on ``fleet``."""
+    from orchestrator.cli import ensure_model
+    from rewards.reward_model import ensure_reward_model
+
+    ensure_model(cfg)
+    ensure_reward_model(cfg.reward.model.path, cfg.model.path)
+    if kind == "sft":
+        from orchestrator.recipes.sft import run_sft
+
+        run_sft(cfg, resume, fleet=fleet)
+    elif kind == "rft":  # a recipe's rounds are its trainer.total_steps (so one override shrinks every stage)
+        from orchestrator.recipes.rft import run_rft
+
+        run_rft(cfg, cfg.trainer.total_steps, resume, fleet=fleet)
+    elif kind == "distill":
+        from orchestrator.recipes.distill import run_distill
+
+        run_distill(cfg, resume, fleet=fleet)
+    else:
+        from orchestrator.trainer import run_training
+
+        run_training(cfg, resume, fleet=fleet)
 
 
 class StageFailed(RuntimeError):
@@ -315,15 +347,22 @@ def run_pipeline(recipe: str, overrides: list[str]) -> int:
     run_dir = stages[0].dir.parent
     run_dir.mkdir(parents=True, exist_ok=True)
     summary = Summary(run_dir / "summary.json", stages)
+    from orchestrator.fleet import Fleet, Roles
+    from orchestrator.launch import init_ray
+
+    init_ray(stages[0].cfg)
+    fleet = Fleet(stages[0].cfg, Roles())  # no actor yet: the first stage that runs starts what it uses
     try:
         for st, row in zip(stages, summary.rows):
             if row["status"] == "finished" and (st.dir / "final" / "config.json").exists():
                 print(f"pipeline: stage {st.index} {st.name} finished already (accuracy {row['accuracy']})")
                 continue
-            run_stage(st, summary, row)
+            run_stage(st, summary, row, fleet)
     except StageFailed as e:
+        fleet.stop()
         print(summary.table())
         print(f"fleetrl: {e}", file=sys.stderr)
         return 1
+    fleet.stop()
     print(summary.table())
     return 0

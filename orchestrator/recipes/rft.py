@@ -83,7 +83,7 @@ class RFTTrainer(Trainer):
         return {**super().summary(), "algorithm": "rft", "rounds": self.cfg.rft.rounds}
 
 
-def run_rft(cfg: FleetConfig, rounds: int | None = None, resume: str | None = None) -> list[dict]:
+def run_rft(cfg: FleetConfig, rounds: int | None = None, resume: str | None = None, fleet=None) -> list[dict]:
     """Check the run directory, start (or join) Ray, run the rounds; returns the per-round rows."""
     from orchestrator.trainer import run_training
 
@@ -91,4 +91,4 @@ def run_rft(cfg: FleetConfig, rounds: int | None = None, resume: str | None = No
     if (Path(cfg.run.dir) / "metrics.jsonl").exists() and not resume:
         raise ConfigError(f"run.dir={cfg.run.dir} holds a training run (metrics.jsonl); RFT would overwrite its "
                           "final policy: give a fresh run.dir (and the trained policy as model.path)")
-    return run_training(cfg, resume, loop=RFTTrainer)
+    return run_training(cfg, resume, loop=RFTTrainer, fleet=fleet)

@@ -81,7 +81,7 @@ class SFTTrainer(Trainer):
                 "throughput/tokens_per_s": tokens / (time.perf_counter() - t0), **timer.metrics()}
 
 
-def run_sft(cfg: FleetConfig, resume: str | None = None) -> list[dict]:
+def run_sft(cfg: FleetConfig, resume: str | None = None, fleet=None) -> list[dict]:
     from orchestrator.trainer import run_training
 
-    return run_training(cfg, resume=resume, loop=SFTTrainer)
+    return run_training(cfg, resume=resume, loop=SFTTrainer, fleet=fleet)
