@@ -82,8 +82,10 @@ def timed_pipeline(code: Path, run_dir: Path) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"pipeline failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     stages = sorted(p for p in run_dir.iterdir() if (p / "summary.json").exists())
-    startup = [json.loads((p / "summary.json").read_text())["startup_s"] for p in stages]
-    return {"wall_s": round(total, 1), "startup_sum_s": round(sum(startup), 1), "stage_startup_s": startup}
+    summaries = [json.loads((p / "summary.json").read_text()) for p in stages]
+    startup = [s["startup_s"] for s in summaries]
+    return {"wall_s": round(total, 1), "startup_sum_s": round(sum(startup), 1), "stage_startup_s": startup,
+            "stage_eval_accuracy": [[s["eval_accuracy_first"], s["eval_accuracy_last"]] for s in summaries]}
 
 
 def timed_run(code: Path, config: str, overrides: list[str], run_dir: Path, fresh: bool = False) -> dict:
