@@ -289,23 +289,23 @@ def fit_keys(cfg: FleetConfig) -> dict[str, object]:
 
 
 def model_shape(path: str) -> tuple:
-    """A model directory's architecture (config.json without its name, dtype and version) and tokenizer files: two
-    directories with the same shape take each other's weights in the same engines."""
+    """A model directory's architecture (config.json without its name, dtype and version) and tokenizer (vocabulary,
+    special tokens, chat template): two directories of the same shape take each other's weights in the same
+    engines. (Files are compared as what they load to: `save_pretrained` rewrites a tokenizer's bytes.)"""
     import hashlib
     import json
 
-    root = Path(path)
+    from orchestrator.launch import load_tokenizer
+
     try:
-        arch = json.loads((root / "config.json").read_text())
+        arch = json.loads((Path(path) / "config.json").read_text())
+        tok = load_tokenizer(path)
     except (OSError, ValueError):
         return (path,)
     for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
         arch.pop(k, None)
-    digest = hashlib.sha256()
-    for f in sorted(root.glob("*")):
-        if f.is_file() and f.name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "chat_template")):
-            digest.update(f.name.encode() + f.read_bytes())
-    return json.dumps(arch, sort_keys=True), digest.hexdigest()
+    vocab = json.dumps([sorted(tok.get_vocab().items()), tok.all_special_tokens, tok.chat_template])
+    return json.dumps(arch, sort_keys=True), hashlib.sha256(vocab.encode()).hexdigest()
 
 
 def _feedback_engines(cfg: FleetConfig):
