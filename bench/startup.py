@@ -42,9 +42,11 @@ CASES = {
     "default": ("configs/default.yaml", []),
     "smollm2": ("configs/smollm2_arith.yaml", ["trainer.eval_every=0"]),
     "tool": ("configs/tool_calc.yaml", ["trainer.eval_every=0"]),
-    "sft": ("configs/default.yaml", ["algorithm.name=sft", "sft.data={sft_data}", "trainer.eval_every=0"]),
-    "reward_model": ("configs/default.yaml", ["algorithm.name=reward_model", "algorithm.pairs={pairs}",
-                                              "trainer.eval_every=0"]),
+    # a supervised stage without evals ({{}}: the default config's GRPO keys do not carry over to another algorithm)
+    "sft": ("configs/default.yaml", ["algorithm={{}}", "algorithm.name=sft", "sft.data={sft_data}",
+                                     "trainer.eval_every=0"]),
+    "reward_model": ("configs/default.yaml", ["algorithm={{}}", "algorithm.name=reward_model",
+                                              "algorithm.pairs={pairs}", "trainer.eval_every=0"]),
 }
 PIPELINE = ["pipeline", "-c", "configs/r1.yaml", "trainer.total_steps=2", "data.eval_size=32"]
 

