@@ -94,9 +94,10 @@ def measure(system: str, s: dict) -> dict:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
         sec, lens = timed(lambda r: hf_generate(model, tok, [p.text for p in prompts], G, L, seed=r), s["reps"])
     else:
-        from workers.rollout import RolloutWorker
+        from workers.rollout import EngineSpec, RolloutWorker
 
-        worker = RolloutWorker(path, dtype, max_model_len=L + 32, kv_cache_gib=0.25, seed=0, enforce_eager=eager)
+        worker = RolloutWorker(EngineSpec(path, dtype, max_model_len=L + 32, kv_cache_gib=0.25, seed=0,
+                                          enforce_eager=eager))
         triples = [(p.uid, p.text, p.metadata) for p in prompts]
         sec, lens = timed(lambda r: [len(x.completion_ids) for x in worker.generate(
             triples, G, L, temperature=1.0, top_p=1.0, seed=r)], s["reps"])

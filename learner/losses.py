@@ -88,8 +88,9 @@ def _ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, level: str) -> Tensor:
     return (seq.detach()[:, None] + logp - logp.detach()).clamp(-20.0, 20.0).exp()
 
 
+# a registered loss's settings are keyword arguments (the algorithm config's, learner.algorithms.loss_kwargs)
 @register_loss("policy")
-def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, scale: LossScale, *,
+def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, scale: LossScale, *,  # noqa: PLR0913
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
                 ratio_level: str = "token", aggregation: Aggregation = "token_mean",
                 ref_logp: Tensor | None = None, kl_coef: float = 0.0, kl_kind: KLKind = "k3",

@@ -16,7 +16,7 @@ import json
 import shutil
 from pathlib import Path
 
-from workers.records import EpisodeStats, Sample, ScoredSample
+from workers.records import Collected, EpisodeStats, Sample, ScoredSample
 
 MARKER = "COMPLETE"
 
@@ -45,21 +45,21 @@ def commit(run_dir: Path, staging: Path, step: int, state: dict, config_yaml: st
     return final
 
 
-def save_in_flight(staging: Path, scored: list[ScoredSample], reward_errors: int, sampling: dict) -> None:
+def save_in_flight(staging: Path, batch: Collected) -> None:
     """The batch in flight, as JSON (floats written exactly; loading it runs no code)."""
-    record = {"scored": [dataclasses.asdict(x) for x in scored], "reward_errors": reward_errors,
-              "sampling": sampling}
+    record = {"scored": [dataclasses.asdict(x) for x in batch.scored], "reward_errors": batch.reward_errors,
+              "sampling": batch.info}
     (staging / "in_flight.json").write_text(json.dumps(record))
 
 
-def load_in_flight(path: Path) -> tuple[list[ScoredSample], int, dict] | None:
+def load_in_flight(path: Path) -> Collected | None:
     """The batch a checkpoint had in flight, or None."""
     file = path / "in_flight.json"
     if not file.exists():
         return None
     record = json.loads(file.read_text())
     scored = [ScoredSample(_sample(x["sample"]), x["reward"], x["components"]) for x in record["scored"]]
-    return scored, record["reward_errors"], record["sampling"]
+    return Collected(scored, record["reward_errors"], record["sampling"])
 
 
 def _sample(fields: dict) -> Sample:

@@ -175,53 +175,61 @@ def _data_command(args) -> int:
     return 0
 
 
-def _eval_command(args, cfg: FleetConfig) -> int:
-    from orchestrator.pools import LearnerDied
-
+def _config_command(args, cfg: FleetConfig) -> int:
+    """The commands that take a run config (``-c``): evals and data from the engines, then the training ones."""
     if args.command == "eval":
-        from orchestrator.evaluate import parse_ns, run_eval
-
-        if args.search:
-            from orchestrator.search.driver import parse_methods, run_search
-
-            run_search(cfg, args.checkpoint, parse_methods(args.search), parse_ns(args.budgets), args.out)
-            return 0
-        if not args.checkpoint:
-            raise ConfigError("fleetrl eval: give --checkpoint (a run's final/, a checkpoint dir or an HF model dir)")
-        run_eval(cfg, args.checkpoint, parse_ns(args.n), args.select, args.out)
-        return 0
+        return _eval(args, cfg)
     if args.command == "cai":
         from orchestrator.recipes.cai import prefer, revise
 
         print(json.dumps((revise if args.action == "revise" else prefer)(cfg, args.n, args.out)))
         return 0
-    if args.command == "prm":
-        from orchestrator.recipes.prm import run_label, run_prm_train
+    if args.command == "prm" and args.action == "label":
+        from orchestrator.recipes.prm import run_label
 
-        if args.action == "label":
-            run_label(cfg, args.out or str(Path(cfg.run.dir) / "prm_labels.jsonl"))
-            return 0
+        run_label(cfg, args.out or str(Path(cfg.run.dir) / "prm_labels.jsonl"))
+        return 0
+    return _training(lambda: _run_training_command(args, cfg), cfg)
+
+
+def _eval(args, cfg: FleetConfig) -> int:
+    from orchestrator.evaluate import parse_ns, run_eval
+
+    if args.search:
+        from orchestrator.search.driver import parse_methods, run_search
+
+        run_search(cfg, args.checkpoint, parse_methods(args.search), parse_ns(args.budgets), args.out)
+        return 0
+    if not args.checkpoint:
+        raise ConfigError("fleetrl eval: give --checkpoint (a run's final/, a checkpoint dir or an HF model dir)")
+    run_eval(cfg, args.checkpoint, parse_ns(args.n), args.select, args.out)
+    return 0
+
+
+def _run_training_command(args, cfg: FleetConfig) -> None:
+    """`train`, `prm train`, `rft`, `sft`, `distill`."""
+    if args.command == "prm":
+        from orchestrator.recipes.prm import run_prm_train
+
         if args.labels:
             cfg.prm.labels = args.labels
         run_prm_train(cfg, args.resume)
-        return 0
-    try:
-        if args.command == "rft":
-            from orchestrator.recipes.rft import run_rft
+    elif args.command == "rft":
+        from orchestrator.recipes.rft import run_rft
 
-            run_rft(cfg, args.rounds, args.resume)
-        elif args.command == "sft":
-            from orchestrator.recipes.sft import run_sft
+        run_rft(cfg, args.rounds, args.resume)
+    elif args.command == "sft":
+        from orchestrator.recipes.sft import run_sft
 
-            run_sft(cfg, args.resume)
-        else:
-            from orchestrator.recipes.distill import run_distill
+        run_sft(cfg, args.resume)
+    elif args.command == "distill":
+        from orchestrator.recipes.distill import run_distill
 
-            run_distill(cfg, args.resume)
-    except LearnerDied as e:
-        print(f"fleetrl: {e}", file=sys.stderr)
-        return 1
-    return 0
+        run_distill(cfg, args.resume)
+    else:
+        from orchestrator.trainer import run_training
+
+        run_training(cfg, resume=args.resume)
 
 
 KIND_ARGS = {"arith": {"kind": "arith"}, "think": {"kind": "think"},
@@ -279,14 +287,14 @@ def _init_model(args) -> int:
     return 0
 
 
-def _train(cfg: FleetConfig, resume: str | None) -> int:
-    """`train`: a failure inside an actor is reported with the actor's name and its log file."""
+def _training(run, cfg: FleetConfig) -> int:
+    """Run a training command: a failure inside an actor is reported with the actor's name and its log file."""
     from orchestrator.console import describe_failure
     from orchestrator.pools import LearnerDied
-    from orchestrator.trainer import BadTraining, CheckpointFailed, run_training
+    from orchestrator.trainer import BadTraining, CheckpointFailed
 
     try:
-        run_training(cfg, resume=resume)
+        run()
     except (LearnerDied, BadTraining, CheckpointFailed) as e:
         print(f"fleetrl: {e}", file=sys.stderr)
         return 1
@@ -354,38 +362,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "train":  # a training run sends its log to <run.dir>/logs/driver.log (orchestrator.console)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        if args.command == "init-model":
-            return _init_model(args)
         if args.command in ("submit", "status", "scale", "stop"):
             try:
                 return _cluster_command(args)
             except (LookupError, ValueError, TimeoutError) as e:  # no such run/job, bad --rollout, not applied
                 print(f"fleetrl: {e}", file=sys.stderr)
                 return 2
-        if args.command == "export":
-            from orchestrator.checkpoint import export_policy
-
-            try:
-                print(export_policy(Path(args.source), Path(args.out), adapter=args.adapter))
-            except FileNotFoundError as e:
-                print(f"fleetrl: {e}", file=sys.stderr)
-                return 2
-            return 0
-        if args.command == "pipeline":
-            from orchestrator.recipes.pipeline import run_pipeline
-
-            return run_pipeline(args.config, args.overrides)
-        if args.command == "data":
-            return _data_command(args)
-        if args.command == "config" and args.action == "docs":
-            from orchestrator.config_docs import config_reference_markdown
-
-            print(config_reference_markdown(), end="")
-            return 0
+        if args.command in COMMANDS_WITHOUT_CONFIG:
+            return COMMANDS_WITHOUT_CONFIG[args.command](args)
         overrides = args.overrides + (["run.verbose=true"] if getattr(args, "verbose", False) else [])
         if args.command == "config":
-            print(show_config(args.config, overrides, args.stage), end="")
-            return 0
+            return _config(args, overrides)
         cfg = load_run_config(args.config, overrides, args.stage)
         if args.command == "train":
             from orchestrator.recipes import prepare
@@ -395,12 +382,43 @@ def main(argv: list[str] | None = None) -> int:
         from rewards.reward_model import ensure_reward_model
 
         ensure_reward_model(cfg.reward.model.path, cfg.model.path)
-        if args.command in ("eval", "rft", "sft", "distill", "prm", "cai"):
-            return _eval_command(args, cfg)
-        return _train(cfg, args.resume)
+        return _config_command(args, cfg)
     except (ConfigError, FileNotFoundError, DatasetError) as e:
         print(f"fleetrl: {e}", file=sys.stderr)
         return 2
+
+
+def _export(args) -> int:
+    from orchestrator.checkpoint import export_policy
+
+    try:
+        print(export_policy(Path(args.source), Path(args.out), adapter=args.adapter))
+    except FileNotFoundError as e:
+        print(f"fleetrl: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _pipeline(args) -> int:
+    from orchestrator.recipes.pipeline import run_pipeline
+
+    return run_pipeline(args.config, args.overrides)
+
+
+def _config(args, overrides: list[str]) -> int:
+    """`config show` (the resolved config, after the checks a run makes at load) or `config docs`."""
+    if args.action == "docs":
+        from orchestrator.config_docs import config_reference_markdown
+
+        print(config_reference_markdown(), end="")
+    else:
+        print(show_config(args.config, overrides, args.stage), end="")
+    return 0
+
+
+COMMANDS_WITHOUT_CONFIG = {"init-model": lambda a: _init_model(a), "export": _export, "pipeline": _pipeline,
+                           "data": lambda a: _data_command(a)}
+"""Commands that load no run config of their own (``config docs`` is handled beside ``config show``)."""
 
 
 if __name__ == "__main__":

@@ -269,22 +269,21 @@ _ATTR = {"learner": "learner", "critic": "critic", "env": "envs", "rollout": "ro
 def fit_keys(cfg: FleetConfig) -> dict[str, object]:
     """Per role, what its actors were built from, apart from the weights a run loads or pushes: another run whose
     key is the same can use them (:meth:`Fleet.serve`)."""
+    from dataclasses import replace
+
     from orchestrator.launch import max_model_len
-    from orchestrator.pools import placement_key
+    from orchestrator.pools import engine_spec, placement_key
 
     c = cfg.model_dump(mode="json")
     r = c["rollout"]
-    engine = {k: r[k] for k in ("num_workers", "num_cpus", "num_gpus", "resources", "kv_cache_gib", "seed",
-                                "gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "stop",
-                                "max_restarts")}
+    pool = {k: r[k] for k in ("num_workers", "num_cpus", "num_gpus", "resources", "max_restarts")}
+    engine = (pool, replace(engine_spec(cfg, max_model_len(cfg)), model_path=""), model_shape(cfg.model.path))
     return {
-        "learner": placement_key(cfg), "critic": placement_key(cfg),
-        "rollout": (engine, cfg.engine_dtype, max_model_len(cfg), c["data"]["prompt_format"],
-                    c["data"]["system_prompt"], c["learner"]["lora"], model_shape(cfg.model.path)),
+        "learner": placement_key(cfg), "critic": placement_key(cfg), "rollout": engine,
         "reward": (c["reward"], c["cai"]), "env": (c["env"], r["max_restarts"], c["data"]["system_prompt"]),
         "prm": (c["prm"], c["reward"]["max_restarts"], c["trainer"]["torch_threads"]),
         "orm": (c["prm"], c["reward"]["max_restarts"], c["trainer"]["torch_threads"]),
-        "feedback": (c["cai"], engine, max_model_len(cfg), c["data"]["max_prompt_tokens"]),
+        "feedback": (c["cai"], pool, c["data"]["max_prompt_tokens"], r["max_new_tokens"]),
     }
 
 

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import socket
 import time
+from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import placement_group
@@ -24,7 +25,7 @@ from rewards.tasks import Prompt
 from rewards.worker import RewardWorker
 from workers.actor_logs import actor_env
 from workers.records import Sample, ScoredSample
-from workers.rollout import CPU_ENV, RolloutWorker
+from workers.rollout import CPU_ENV, EngineSpec, RolloutWorker
 
 log = logging.getLogger("fleetrl")
 
@@ -153,14 +154,7 @@ class RolloutPool(ActorPool):
             num_cpus=r.num_cpus, num_gpus=r.num_gpus * r.tensor_parallel_size, max_concurrency=1,
             resources=r.resources or None, **self._options(name, CPU_ENV),
         )
-        return actor.remote(
-            self.cfg.model.path, self.cfg.engine_dtype, self.max_model_len, r.kv_cache_gib,
-            self.cfg.rollout.seed + index, r.gpu_memory_utilization, r.tensor_parallel_size,
-            enforce_eager=r.enforce_eager, prompt_format=self.cfg.data.prompt_format,
-            system_prompt=self.cfg.data.system_prompt, stop=r.stop,
-            partial_push=self.cfg.learner.lora.enabled and self.cfg.learner.lora.push == "merged",
-            lora=self.cfg.learner.lora.engine_spec(),
-        )
+        return actor.remote(engine_spec(self.cfg, self.max_model_len, index))
 
     def _after_restart(self, worker) -> None:
         """A new or replacement engine gets the current weights through the object store before any prompt
@@ -522,6 +516,15 @@ def log_env(cfg: FleetConfig) -> dict[str, str]:
     return actor_env(str(Path(cfg.run.dir) / "logs"), cfg.run.verbose)
 
 
+def engine_spec(cfg: FleetConfig, max_model_len: int, index: int = 0) -> EngineSpec:
+    """What engine ``index`` of ``cfg``'s rollout pool serves (its seed: ``rollout.seed + index``)."""
+    r, lora = cfg.rollout, cfg.learner.lora
+    return EngineSpec(cfg.model.path, cfg.engine_dtype, max_model_len, r.kv_cache_gib, r.seed + index,
+                      r.gpu_memory_utilization, r.tensor_parallel_size, enforce_eager=r.enforce_eager,
+                      prompt_format=cfg.data.prompt_format, system_prompt=cfg.data.system_prompt, stop=tuple(r.stop),
+                      partial_push=lora.enabled and lora.push == "merged", lora=lora.engine_spec())
+
+
 def learner_spec(cfg: FleetConfig, role: str = "actor") -> LearnerSpec:
     """What the ``role`` group (``actor`` or ``critic``) of ``cfg`` trains: model, DeepSpeed config, loss, layout."""
     lc = cfg.learner
@@ -573,6 +576,22 @@ def get_ranks(refs: list, group: str = "learner") -> list:
         except ray.exceptions.RayTaskError as e:
             raise actor_failed(f"{group}-{rank}", e) from e
     return out
+
+
+@dataclass
+class Update:
+    """A learner group's optimizer step(s) on one batch: the metrics (summed over ranks, see
+    :func:`gather_metrics`) and whether any rank skipped its update for a NaN/Inf gradient."""
+
+    metrics: dict
+    skipped: bool = False
+
+
+def gather_update(refs: list, group: str = "learner", role: str = "actor") -> Update:
+    """:meth:`LearnerGroup.train_async`'s results as an :class:`Update` (the ranks report skipped steps as
+    ``<role>/skipped_step_frac``; this is the one place that reads it)."""
+    metrics = gather_metrics(refs, group)
+    return Update(metrics, metrics.get(f"{role}/skipped_step_frac", 0.0) > 0)
 
 
 def gather_metrics(refs: list, group: str = "learner") -> dict:

@@ -26,13 +26,13 @@ from orchestrator.episodes import drop_errored_groups, episode_metrics, eval_epi
 from orchestrator.fleet import Fleet, Roles, training_roles
 from orchestrator.launch import init_ray, load_tokenizer, make_task
 from orchestrator.metrics import MetricsLogger, PhaseTimer
-from orchestrator.pools import LearnerDied, gather_metrics
+from orchestrator.pools import LearnerDied, Update, gather_update
 from orchestrator.run_status import RunStatus
 from orchestrator.samples import eval_records, restate_frac, shown, write_eval_samples
 from orchestrator.steps import process_separator, step_ends
 from rewards.functions import verdicts, verify_timeouts
 from workers.prompts import pad_token_id
-from workers.records import ScoredSample
+from workers.records import Collected, ScoredSample
 
 log = logging.getLogger("fleetrl")
 
@@ -115,7 +115,7 @@ class Trainer:
         in_flight = ckpt.load_in_flight(path)
         if in_flight is not None:  # one_step_off: the next step trains on the batch the checkpoint had in flight
             self.prefetch = Future()
-            self.prefetch.set_result((in_flight, PhaseTimer()))
+            self.prefetch.set_result(InFlight(in_flight, PhaseTimer()))
         self.console.print(f"resumed from {path} at step {self.start_step} (policy version {self.version})")
 
     def save_checkpoint(self, next_step: int) -> float:
@@ -128,7 +128,7 @@ class Trainer:
                 self.fleet.critic.save_checkpoint(str(stage / "critic"))
             self.fleet.learner.save_hf(str(stage / "policy"))
             if self.prefetch is not None:  # one_step_off: generated and scored already (train_step waited)
-                ckpt.save_in_flight(stage, *self.prefetch.result()[0])
+                ckpt.save_in_flight(stage, self.prefetch.result().batch)
             ckpt.commit(self.run_dir, stage, next_step, {"step": next_step, "policy_version": self.version},
                         dump_config(self.cfg), self.cfg.trainer.keep_checkpoints)
         except (OSError, RuntimeError) as e:  # a full disk surfaces as OSError or as torch.save's RuntimeError
@@ -173,17 +173,18 @@ class Trainer:
             if self._is_eval_step(step) or (last and self.cfg.trainer.eval_every):
                 metrics.update(self.evaluate(step))
             if not last:
-                metrics.update(self.train_step(step))
+                result = self.train_step(step)
+                metrics.update(result.metrics)
                 if step == self.start_step:  # this process's first step: what a user waits for after submitting
                     metrics.update({"time/startup_s": self.startup_s,
                                     "time/first_step_s": time.perf_counter() - self.t_config})
-                bad_steps = self._count_bad_step(metrics, bad_steps)
+                bad_steps = self._count_bad_step(result, metrics, bad_steps)
                 if save_every and (step + 1) % save_every == 0 and not bad_steps:
                     metrics["time/checkpoint_s"] = self.save_checkpoint(step + 1)
+                self._warn(step, result, bad_steps)
             self.metrics.log(metrics)
             self.fleet.controller.report.remote(metrics)
             self.status.step(metrics)
-            self._warn(metrics)
             self.console.step(metrics)
             if last:
                 break
@@ -191,20 +192,18 @@ class Trainer:
         self.finish(time.perf_counter() - t0)
         return self.metrics.history
 
-    def _warn(self, m: dict) -> None:
+    def _warn(self, step: int, result: StepResult, bad_steps: int) -> None:
         """The per-step warnings that matter on the console: a skipped update, failed reward calls."""
-        if m.get("train/bad_steps_in_a_row", 0) > 0:
+        if result.skipped_update:
             log.warning("step %d: update skipped (NaN/Inf loss or gradient), %d in a row (the run stops at "
-                        "trainer.max_bad_steps=%d)", m["step"], m["train/bad_steps_in_a_row"],
-                        self.cfg.trainer.max_bad_steps)
-        if m.get("reward/errors", 0) > 0:
+                        "trainer.max_bad_steps=%d)", step, bad_steps, self.cfg.trainer.max_bad_steps)
+        if result.reward_errors:
             log.warning("step %d: %d reward-function calls raised or timed out and scored 0 (tracebacks in %s)",
-                        m["step"], m["reward/errors"], self.run_dir / "logs" / "reward-*.log")
+                        step, result.reward_errors, self.run_dir / "logs" / "reward-*.log")
 
-    def _count_bad_step(self, metrics: dict, bad_steps: int) -> int:
+    def _count_bad_step(self, result: StepResult, metrics: dict, bad_steps: int) -> int:
         """A step whose update was skipped for a NaN/Inf gradient is bad; too many in a row stop the run."""
-        bad = metrics.get("actor/skipped_step_frac", 0) > 0 or metrics.get("critic/skipped_step_frac", 0) > 0
-        bad_steps = bad_steps + 1 if bad else 0
+        bad_steps = bad_steps + 1 if result.skipped_update else 0
         metrics["train/bad_steps_in_a_row"] = bad_steps
         if bad_steps >= self.cfg.trainer.max_bad_steps:
             self.metrics.log(metrics)
@@ -243,9 +242,10 @@ class Trainer:
         every = self.cfg.trainer.eval_every
         return every > 0 and step % every == 0
 
-    def train_step(self, step: int) -> dict:
+    def train_step(self, step: int) -> StepResult:
         timer = PhaseTimer()
-        scored, reward_errors, sampling = self.rollout_batch(step, timer)
+        collected = self.rollout_batch(step, timer)
+        scored = collected.scored
         staleness = self._check_staleness(scored)
         if self.cfg.run.dump_rollouts:
             self._dump(step, scored)
@@ -261,14 +261,15 @@ class Trainer:
             steps = self.step_rewards(scored) if self.cfg.uses_process_rewards else None
             batch.advantages, batch.returns = self.advantages(scored, batch, steps)
         with timer("learn"):
-            train_metrics = self.learn(batch)
+            update = self.learn(batch)
+            train_metrics = update.metrics
         with timer("rollout_wait"):  # one_step_off: the engines finish the next batch before they reload
             queued = self._wait_prefetch()
         self.apply_scaling()
         with timer("sync"):
             sync_metrics = self.push_weights()
-        out = {**self._rollout_metrics(scored, batch, reward_errors, train_metrics, staleness),
-               **learner_metrics(train_metrics), **sync_metrics, **sampling,
+        out = {**self._rollout_metrics(scored, batch, collected.reward_errors, train_metrics, staleness),
+               **learner_metrics(train_metrics), **sync_metrics, **collected.info,
                **self._timing(timer, train_metrics, queued)}
         if steps is not None:
             present = steps[1] >= 0
@@ -276,33 +277,32 @@ class Trainer:
             out["process/steps_per_sample"] = float(present.sum(1).float().mean())
         out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
         out["throughput/samples_per_s"] = len(scored) / out["time/step_s"]
-        return out
+        return StepResult(out, update.skipped, collected.reward_errors)
 
-    def rollout_batch(self, step: int, timer: PhaseTimer) -> tuple[list[ScoredSample], int, dict]:
+    def rollout_batch(self, step: int, timer: PhaseTimer) -> Collected:
         """The step's scored groups. ``sync``: generated now. ``one_step_off``: the batch generated during the
         previous step (generated now only at the first step or after a resume), and generation of the next
         batch starts at once with the current weights, concurrently with this step's update."""
         if self.prefetch is None:
             out = self.collect(step, timer)
         else:
-            out, gen_timer = self.prefetch.result()
-            self.prefetch = None
-            for phase, seconds in gen_timer.seconds.items():
+            done = self.prefetch.result()
+            self.prefetch, out = None, done.batch
+            for phase, seconds in done.timer.seconds.items():
                 timer.seconds[f"{phase}_overlapped"] = seconds
         if self.cfg.rollout.mode == "one_step_off" and step + 1 < self.cfg.trainer.total_steps:
             self.prefetch = self.pool.submit(self._collect_timed, step + 1)
         return out
 
-    def _collect_timed(self, step: int):
+    def _collect_timed(self, step: int) -> InFlight:
         timer = PhaseTimer()
-        return self.collect(step, timer), timer
+        return InFlight(self.collect(step, timer), timer)
 
     def _wait_prefetch(self) -> int:
         """Block until the in-flight batch is generated and scored; returns how many prompts it holds."""
         if self.prefetch is None:
             return 0
-        (scored, _, _), _ = self.prefetch.result()
-        return len({x.sample.prompt_uid for x in scored})
+        return len({x.sample.prompt_uid for x in self.prefetch.result().batch.scored})
 
     def separate_logprob_pass(self) -> bool:
         """Whether old/reference logprobs need their own forward pass before the update (see learner.logprob_pass):
@@ -360,7 +360,7 @@ class Trainer:
                  "episode": dataclasses.asdict(x.sample.episode) if x.sample.episode else None} for x in scored]
         (out / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
-    def collect(self, step: int, timer: PhaseTimer) -> tuple[list[ScoredSample], int, dict]:
+    def collect(self, step: int, timer: PhaseTimer) -> Collected:
         """Generate and score the step's groups. With ``rollout.dynamic_sampling`` (DAPO), groups whose rewards
         are all equal (zero advantage) are set aside and more prompts are sampled, up to
         ``rollout.max_sampling_rounds`` rounds; a batch still short is topped up with set-aside groups."""
@@ -387,13 +387,17 @@ class Trainer:
                 **({"reward/judge_errors": judge_errors} if self.judge else {})}
         if cfg.env.name:
             info["env/dropped_groups"] = drop_errored_groups(groups) if cfg.env.errored == "drop_group" else 0
-        return [x for grp in groups for x in grp], errors, info
+        return Collected([x for grp in groups for x in grp], errors, info)
 
-    def learn(self, batch: TrainBatch) -> dict:
+    def learn(self, batch: TrainBatch) -> Update:
         """Actor update, and the critic's beside it (both groups run concurrently)."""
         refs = self.fleet.learner.train_async(batch)
         critic_refs = self.fleet.critic.train_async(batch) if self.fleet.critic else []
-        return {**gather_metrics(refs), **(gather_metrics(critic_refs, "critic") if critic_refs else {})}
+        actor = gather_update(refs)
+        if not critic_refs:
+            return actor
+        critic = gather_update(critic_refs, "critic", role="critic")
+        return Update({**actor.metrics, **critic.metrics}, actor.skipped or critic.skipped)
 
     def step_rewards(self, scored: list[ScoredSample]) -> tuple[torch.Tensor, torch.Tensor]:
         """Process supervision: cut each completion into steps (at tokens whose text holds the step separator)
@@ -520,6 +524,24 @@ class Trainer:
             "rollout/samples": len(scored), "rollout/unique_prompts": len({x.sample.prompt_uid for x in scored}),
             **self._pool_metrics(),
         }
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What a loop's training step returns: its metrics, and what the loop acts on, typed (not read back from
+    metric names): whether the update was skipped for a NaN/Inf gradient, and failed reward-function calls."""
+
+    metrics: dict
+    skipped_update: bool = False
+    reward_errors: int = 0
+
+
+@dataclasses.dataclass
+class InFlight:
+    """one_step_off: the next step's batch, generated and scored while this step trains, and its phase times."""
+
+    batch: Collected
+    timer: PhaseTimer
 
 
 class CheckpointFailed(RuntimeError):

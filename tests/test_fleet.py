@@ -78,3 +78,22 @@ def test_a_pipeline_recipe_is_shown_by_stage_and_refused_without_stage():
              "pipeline recipe", "--stage")
     _refused(_fleetrl("config", "show", "-c", "configs/r1.yaml", "--stage", "nope"), "'nope'", "cold_start")
     _refused(_fleetrl("config", "show", "--stage", "x"), "not a pipeline recipe")
+
+
+def test_a_fleet_keeps_for_the_next_run_only_the_actors_that_fit_it():
+    """What Fleet.serve compares: another algorithm, learning rate or starting model of the same shape keeps every
+    group (the ranks load the new run; the engines get its weights); other engine settings, ranks or reward
+    functions do not keep theirs."""
+    from orchestrator.fleet import fit_keys
+
+    base = fit_keys(load_config(None, []))
+
+    def changed(*overrides: str) -> set[str]:
+        other = fit_keys(load_config(None, list(overrides)))
+        return {role for role in base if other[role] != base[role]}
+
+    assert changed("algorithm={}", "algorithm.name=sft", "learner.lr=0.1", "data.seed=3") == set()
+    assert changed("rollout.kv_cache_gib=0.5") == {"rollout"}
+    assert changed("learner.num_ranks=1") == {"learner", "critic"}
+    assert changed("reward.functions=[{name: math}, {name: format}]") == {"reward"}
+    assert changed("model.path=.fleetrl/models/calc-base") >= {"rollout"}  # another model shape (vocabulary)

@@ -48,3 +48,14 @@ class ScoredSample:
     sample: Sample
     reward: float
     components: dict[str, float]
+
+
+@dataclass
+class Collected:
+    """A step's generated and scored groups, as the driver collects them (``Trainer.collect``):
+    ``reward_errors`` reward-function calls that raised or timed out, ``info`` the sampling metrics
+    (``sampling/*``, ``reward/timeouts``, ``env/dropped_groups``)."""
+
+    scored: list[ScoredSample]
+    reward_errors: int = 0
+    info: dict = field(default_factory=dict)

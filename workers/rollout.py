@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from workers.actor_logs import LoggedActor
 from workers.imports import skip_unused_imports
@@ -26,25 +27,45 @@ CPU_ENV = {
 }
 
 
+@dataclass(frozen=True)
+class EngineSpec:
+    """What one vLLM engine serves and how: the typed record the driver sends a `rollout-i` (or `judge-i`) actor
+    (:func:`orchestrator.pools.engine_spec` builds it from the config). ``enforce_eager`` None: eager on CPU.
+    ``partial_push``: pushes carry only some layers (LoRA's merged push), the rest keep their tensors. ``lora``
+    (:meth:`LoraSection.engine_spec`): serve the policy as base + the pushed LoRA adapter. ``stop``: strings that
+    end every completion (kept in its text), besides the model's end-of-turn tokens."""
+
+    model_path: str
+    dtype: str
+    max_model_len: int
+    kv_cache_gib: float
+    seed: int
+    gpu_memory_utilization: float = 0.5
+    tensor_parallel_size: int = 1
+    max_num_seqs: int = 256
+    enforce_eager: bool | None = None
+    prompt_format: str = "auto"
+    system_prompt: str | None = None
+    stop: tuple[str, ...] = ()
+    partial_push: bool = False
+    lora: dict | None = None
+
+
 class RolloutWorker(LoggedActor):
     """Plain class; the orchestrator wraps it with ``ray.remote`` and names it ``rollout-i``."""
 
-    def __init__(self, model_path: str, dtype: str, max_model_len: int, kv_cache_gib: float, seed: int,
-                 gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1, max_num_seqs: int = 256,
-                 enforce_eager: bool | None = None, prompt_format: str = "auto", system_prompt: str | None = None,
-                 stop: list[str] | None = None, partial_push: bool = False, lora: dict | None = None):
-        """``partial_push``: pushes carry only some layers (LoRA's merged push), the rest keep their tensors.
-        ``lora`` (:meth:`LoraSection.engine_spec`): serve the policy as base + the pushed LoRA adapter."""
+    def __init__(self, spec: EngineSpec):
         self._start_logging()
         skip_unused_imports()
         for key, value in CPU_ENV.items():
             os.environ.setdefault(key, value)
         from vllm import LLM
 
+        lora, max_model_len = spec.lora, spec.max_model_len
         kwargs = dict(
-            model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
-            enforce_eager=_on_cpu() if enforce_eager is None else enforce_eager,
-            tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
+            model=spec.model_path, dtype=spec.dtype, seed=spec.seed, max_model_len=max_model_len,
+            enforce_eager=_on_cpu() if spec.enforce_eager is None else spec.enforce_eager,
+            tensor_parallel_size=spec.tensor_parallel_size, max_num_seqs=spec.max_num_seqs,
             worker_extension_cls="workers.nccl_sync.NcclWeightSyncExtension", enable_prefix_caching=True,
             # logprobs of the distribution actually sampled (after temperature), as the learner computes them
             logprobs_mode="processed_logprobs",
@@ -54,16 +75,16 @@ class RolloutWorker(LoggedActor):
 
             kwargs.update(engine_kwargs(lora))
         if _on_cpu():
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+            kwargs["kv_cache_memory_bytes"] = int(spec.kv_cache_gib * 2**30)
             # whole prompts only: vLLM's CPU runner crashes ("CPU Generator does not use offset") when a seeded
             # request's prefill is split across steps, which happens once a call's new prompt tokens pass the
             # 4096-token step budget (long multi-turn contexts, Constitutional AI's critique turns)
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
         else:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
         self.llm = LLM(**kwargs)
         self.max_model_len = max_model_len
-        if partial_push:
+        if spec.partial_push:
             self.llm.collective_rpc("fleetrl_expect_partial_push")
         self.adapter = None  # the served LoRA adapter (learner.lora.push: adapter)
         if lora:
@@ -72,8 +93,8 @@ class RolloutWorker(LoggedActor):
             self.adapter = ServedAdapter(self.llm, lora, str(os.getpid()))
         self._warm_up()
         self.tokenizer = self.llm.get_tokenizer()
-        self.renderer = PromptRenderer(self.tokenizer, prompt_format, system_prompt)
-        self.stop = list(stop or [])
+        self.renderer = PromptRenderer(self.tokenizer, spec.prompt_format, spec.system_prompt)
+        self.stop = list(spec.stop)
         self.policy_version = 0
         self.generated_tokens = 0
         self.episodes = None  # EpisodeFactory of the env config last used (run_episodes)

@@ -26,7 +26,7 @@ from orchestrator.recipes.data import (
     load_pairs,
     sample_example,
 )
-from orchestrator.trainer import Trainer, learner_metrics
+from orchestrator.trainer import StepResult, Trainer, learner_metrics
 
 log = logging.getLogger("fleetrl")
 
@@ -58,29 +58,34 @@ class DPOTrainer(Trainer):
             self.preferences = [r["preference"] for r in rows]
             log.info("dpo pairs %s: %d rows", cfg.algorithm.pairs, len(self.pairs))
 
-    def train_step(self, step: int) -> dict:
+    def train_step(self, step: int) -> StepResult:
         return self.offline_step(step) if self.pairs else self.online_step(step)
 
-    def offline_step(self, step: int) -> dict:
+    def offline_step(self, step: int) -> StepResult:
         timer = PhaseTimer()
         t0 = time.perf_counter()
         idx = draw(len(self.pairs), step, self.cfg.sequences_per_step // 2, self.cfg.trainer.seed)
-        out = self._update([self.pairs[i] for i in idx], timer, [self.preferences[i] for i in idx])
+        result = self._update([self.pairs[i] for i in idx], timer, [self.preferences[i] for i in idx])
         self.engines_stale = True
-        return {**out, "throughput/pairs_per_s": len(idx) / (time.perf_counter() - t0), **timer.metrics()}
+        result.metrics.update({"throughput/pairs_per_s": len(idx) / (time.perf_counter() - t0), **timer.metrics()})
+        return result
 
-    def online_step(self, step: int) -> dict:
+    def online_step(self, step: int) -> StepResult:
         timer = PhaseTimer()
-        scored, reward_errors, _ = self.collect(step, timer)
+        collected = self.collect(step, timer)
+        scored, reward_errors = collected.scored, collected.reward_errors
         rewards = [x.reward for x in scored]
         chosen = preference_pairs(rewards, [x.sample.prompt_uid for x in scored], self.cfg.algorithm.min_reward_gap)
         correct = self.correct([x.sample for x in scored])
         out = {"reward/mean": sum(rewards) / len(rewards), "reward/errors": reward_errors,
                "train/accuracy": sum(correct) / len(correct), "rollout/samples": len(scored),
                "tokens_generated": sum(len(x.sample.completion_ids) for x in scored)}
+        skipped = False
         if chosen:
             pairs = [(sample_example(scored[i].sample), sample_example(scored[j].sample)) for i, j in chosen]
-            out.update(self._update(pairs, timer))
+            update = self._update(pairs, timer)
+            out.update(update.metrics)
+            skipped = update.skipped_update
             with timer("sync"):
                 out.update(self.push_weights())
         else:
@@ -89,15 +94,15 @@ class DPOTrainer(Trainer):
             out["dpo/pairs"] = 0
         out = {**out, **timer.metrics()}
         out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
-        return out
+        return StepResult(out, skipped, reward_errors)
 
     def _update(self, pairs: list[tuple[Example, Example]], timer: PhaseTimer,
-                preferences: list[float] | None = None) -> dict:
+                preferences: list[float] | None = None) -> StepResult:
         rows = [e for pair in pairs for e in pair]
         batch = examples_batch(rows, self.cfg.sequences_per_step, self.pad_id, rows_per_unit=2)
         if preferences and any(p != 1.0 for p in preferences):  # soft labels ride on both rows of their pair
             batch.targets = torch.zeros_like(batch.response_mask)
             batch.targets[:len(rows)] = torch.tensor([p for p in preferences for _ in (0, 1)])[:, None]
         with timer("learn"):
-            out = learner_metrics(self.learn(batch))
-        return {**out, "dpo/pairs": len(pairs)}
+            update = self.learn(batch)
+        return StepResult({**learner_metrics(update.metrics), "dpo/pairs": len(pairs)}, update.skipped)

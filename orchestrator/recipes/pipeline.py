@@ -126,17 +126,7 @@ def load_recipe(path: str | Path, cli_overrides: list[str]) -> list[Stage]:
     run_dir, names, out = Path(root["run"]["dir"]), set(), []
     for i, raw in enumerate(stages):
         where = f"{path}: stage {i + 1}"
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{where}: must be a mapping {{name, kind, overrides}}")
-        bad = set(raw) - STAGE_KEYS
-        if bad:
-            raise ConfigError(f"{where}: unknown key(s) {sorted(bad)}; allowed: {sorted(STAGE_KEYS)}")
-        name, kind = raw.get("name"), raw.get("kind")
-        if not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum() or name in names:
-            raise ConfigError(f"{where}: 'name' must be a unique word (letters, digits, _ or -), got {name!r}")
-        names.add(name)
-        if kind not in COMMANDS:
-            raise ConfigError(f"{where} ({name}): unknown kind {kind!r}; allowed: {sorted(COMMANDS)}")
+        name, kind = _stage_head(raw, where, names)
         where = f"{where} ({name})"
         ovs = _overrides(raw.get("overrides"), where)
         if kind in PAIR_KINDS:  # the algorithm section becomes the kind's (other algorithms' keys do not carry over)
@@ -153,6 +143,22 @@ def load_recipe(path: str | Path, cli_overrides: list[str]) -> list[Stage]:
         cfg = FleetConfig.model_validate(tree)
         out.append(Stage(i + 1, name, kind, cfg, _writes(raw, kind, where)))
     return out
+
+
+def _stage_head(raw, where: str, names: set[str]) -> tuple[str, str]:
+    """A stage entry's checked ``(name, kind)`` (``names``: those taken by earlier stages; this one is added)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: must be a mapping {{name, kind, overrides}}")
+    bad = set(raw) - STAGE_KEYS
+    if bad:
+        raise ConfigError(f"{where}: unknown key(s) {sorted(bad)}; allowed: {sorted(STAGE_KEYS)}")
+    name, kind = raw.get("name"), raw.get("kind")
+    if not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum() or name in names:
+        raise ConfigError(f"{where}: 'name' must be a unique word (letters, digits, _ or -), got {name!r}")
+    names.add(name)
+    if kind not in COMMANDS:
+        raise ConfigError(f"{where} ({name}): unknown kind {kind!r}; allowed: {sorted(COMMANDS)}")
+    return name, kind
 
 
 def _writes(raw: dict, kind: str, where: str) -> tuple[str, int] | None:

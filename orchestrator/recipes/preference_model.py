@@ -23,7 +23,7 @@ from orchestrator.metrics import PhaseTimer
 from orchestrator.recipes.data import draw, load_pairs
 from orchestrator.recipes.prm import PRMExample, held_out, prm_batch
 from orchestrator.steps import step_separator
-from orchestrator.trainer import Trainer, learner_metrics
+from orchestrator.trainer import StepResult, Trainer, learner_metrics
 from rewards.prm import encode, split_steps, tag_id, write_meta
 from workers.prompts import PromptRenderer
 
@@ -85,14 +85,15 @@ class RewardModelTrainer(Trainer):
         q = row["preference"]
         return [self.side(row["prompt"], row["chosen"], q), self.side(row["prompt"], row["rejected"], q)]
 
-    def train_step(self, step: int) -> dict:
+    def train_step(self, step: int) -> StepResult:
         timer = PhaseTimer()
         n = self.cfg.sequences_per_step
         idx = draw(len(self.train_rows), step, n // 2, self.cfg.trainer.seed)
         rows = [e for i in idx for e in self.pair(self.train_rows[i])]
         with timer("learn"):
-            out = learner_metrics(self.learn(prm_batch(rows, n, self.pad_id, rows_per_unit=2)))
-        return {**out, "rm/epoch": (step + 1) * len(idx) / len(self.train_rows), **timer.metrics()}
+            update = self.learn(prm_batch(rows, n, self.pad_id, rows_per_unit=2))
+        return StepResult({**learner_metrics(update.metrics), "rm/epoch": (step + 1) * len(idx) / len(self.train_rows),
+                           **timer.metrics()}, update.skipped)
 
     def held_out_margins(self) -> list[float]:
         """``r_chosen - r_rejected`` of every held-out pair under the current model."""

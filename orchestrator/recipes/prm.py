@@ -33,7 +33,7 @@ from orchestrator.metrics import PhaseTimer
 from orchestrator.recipes.data import Example, draw, examples_batch, read_jsonl
 from orchestrator.search.methods import mc_labels
 from orchestrator.steps import step_ends, step_separator
-from orchestrator.trainer import Trainer, learner_metrics
+from orchestrator.trainer import StepResult, Trainer, learner_metrics
 from rewards.datasets import DatasetError
 from rewards.prm import encode, tag_id, write_meta
 
@@ -227,13 +227,14 @@ class PRMTrainer(Trainer):
         log.info("prm labels %s: %d training / %d held-out solutions, target %s", p.labels, len(train),
                  len(self.held), p.target)
 
-    def train_step(self, step: int) -> dict:
+    def train_step(self, step: int) -> StepResult:
         timer = PhaseTimer()
         n = self.cfg.sequences_per_step
         rows = [self.examples[i] for i in draw(len(self.examples), step, n, self.cfg.trainer.seed)]
         with timer("learn"):
-            out = learner_metrics(self.learn(prm_batch(rows, n, self.pad_id)))
-        return {**out, "prm/epoch": (step + 1) * n / len(self.examples), **timer.metrics()}
+            update = self.learn(prm_batch(rows, n, self.pad_id))
+        return StepResult({**learner_metrics(update.metrics), "prm/epoch": (step + 1) * n / len(self.examples),
+                           **timer.metrics()}, update.skipped)
 
     def held_out_scores(self) -> list[list[float]]:
         """The current PRM's score of every step of every held-out solution."""

@@ -21,7 +21,7 @@ from orchestrator.config import ConfigError, FleetConfig
 from orchestrator.metrics import PhaseTimer
 from orchestrator.recipes.data import examples_batch, sample_example
 from orchestrator.recipes.sft import objective_config
-from orchestrator.trainer import Trainer, learner_metrics
+from orchestrator.trainer import StepResult, Trainer, learner_metrics
 from workers.records import ScoredSample
 
 log = logging.getLogger("fleetrl")
@@ -53,10 +53,11 @@ def rft_config(cfg: FleetConfig, rounds: int | None = None) -> FleetConfig:
 class RFTTrainer(Trainer):
     """The Trainer's loop (evals, checkpoints, metrics, final policy) with the RFT round as its training step."""
 
-    def train_step(self, step: int) -> dict:
+    def train_step(self, step: int) -> StepResult:
         """One round: generate, score, keep the verified-correct samples, supervised update, push weights."""
         timer = PhaseTimer()
-        scored, reward_errors, _ = self.collect(step, timer)
+        collected = self.collect(step, timer)
+        scored, reward_errors = collected.scored, collected.reward_errors
         kept = keep_verified(scored, self.cfg.rft.threshold)
         correct = self.correct([x.sample for x in scored])
         out = {"rft/kept_fraction": len(kept) / len(scored), "rft/kept": len(kept),
@@ -64,10 +65,13 @@ class RFTTrainer(Trainer):
                "train/accuracy": sum(correct) / len(correct), "reward/errors": reward_errors,
                "reward/mean": sum(x.reward for x in scored) / len(scored), "rollout/samples": len(scored),
                "tokens_generated": sum(len(x.sample.completion_ids) for x in scored)}
+        skipped = False
         if kept:
             batch = examples_batch([sample_example(x.sample) for x in kept], len(scored), self.pad_id)
             with timer("learn"):
-                out.update(learner_metrics(self.learn(batch)))
+                update = self.learn(batch)
+            out.update(learner_metrics(update.metrics))
+            skipped = update.skipped
             with timer("sync"):
                 out.update(self.push_weights())
         else:
@@ -77,7 +81,7 @@ class RFTTrainer(Trainer):
                  100 * out["rft/kept_fraction"], out["train/accuracy"])
         out.update(timer.metrics())
         out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
-        return out
+        return StepResult(out, skipped, reward_errors)
 
     def summary(self) -> dict:
         return {**super().summary(), "algorithm": "rft", "rounds": self.cfg.rft.rounds}

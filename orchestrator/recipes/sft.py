@@ -15,7 +15,7 @@ from orchestrator.config import ConfigError, FleetConfig
 from orchestrator.fleet import Roles, training_roles
 from orchestrator.metrics import PhaseTimer
 from orchestrator.recipes.data import Example, ExampleRenderer, draw, examples_batch, load_sft_rows
-from orchestrator.trainer import Trainer, learner_metrics
+from orchestrator.trainer import StepResult, Trainer, learner_metrics
 from rewards.datasets import DatasetError
 
 log = logging.getLogger("fleetrl")
@@ -67,18 +67,20 @@ class SFTTrainer(Trainer):
         self.examples = render_rows(cfg.sft.data, renderer)
         log.info("sft data %s: %d rows", cfg.sft.data, len(self.examples))
 
-    def train_step(self, step: int) -> dict:
+    def train_step(self, step: int) -> StepResult:
         timer = PhaseTimer()
         t0 = time.perf_counter()
         rows = [self.examples[i] for i in draw(len(self.examples), step, self.cfg.sequences_per_step,
                                                self.cfg.trainer.seed)]
         batch = examples_batch(rows, self.cfg.sequences_per_step, self.pad_id)
         with timer("learn"):
-            out = learner_metrics(self.learn(batch))
+            update = self.learn(batch)
         self.engines_stale = True
         tokens = int(batch.response_mask.sum())
-        return {**out, "sft/tokens": tokens, "sft/epoch": (step + 1) * len(rows) / len(self.examples),
-                "throughput/tokens_per_s": tokens / (time.perf_counter() - t0), **timer.metrics()}
+        return StepResult({**learner_metrics(update.metrics), "sft/tokens": tokens,
+                           "sft/epoch": (step + 1) * len(rows) / len(self.examples),
+                           "throughput/tokens_per_s": tokens / (time.perf_counter() - t0), **timer.metrics()},
+                          update.skipped)
 
 
 def run_sft(cfg: FleetConfig, resume: str | None = None, fleet=None) -> list[dict]:
