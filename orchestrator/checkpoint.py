@@ -91,11 +91,16 @@ def load_state(path: Path) -> dict:
     return json.loads((path / "trainer_state.json").read_text())
 
 
-def export_policy(source: Path, out: Path, adapter: bool = False) -> Path:
+def export_policy(source: Path, out: Path, adapter: bool = False, force: bool = False) -> Path:
     """Copy the policy of a checkpoint (``policy/``) or run dir (``final/``, else its newest checkpoint) to
     ``out`` as an HF directory (safetensors + tokenizer) that transformers and vLLM load. A LoRA run's policy is
     the merged model; ``adapter`` copies its ``adapter/`` (PEFT's format: ``PeftModel.from_pretrained`` on the
-    base, or a vLLM ``LoRARequest``) instead."""
+    base, or a vLLM ``LoRARequest``) instead. ``out`` must be new or empty (``force``: replaced); every weights
+    file is read through before anything is written, and the copy lands under a temporary name first."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"export --out {out}: a file is there; give a directory path")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise FileExistsError(f"export --out {out}: not empty; give a new directory, or --force to replace it")
     if (source / MARKER).exists():
         policy = source / "policy"
     elif (source / "final" / "config.json").exists():
@@ -109,7 +114,29 @@ def export_policy(source: Path, out: Path, adapter: bool = False) -> Path:
         if not (policy / "adapter" / "adapter_config.json").exists():
             raise FileNotFoundError(f"export --adapter: {policy} has no adapter/ (the run did not train LoRA "
                                     "adapters: learner.lora.rank was 0)")
-        shutil.copytree(policy / "adapter", out, dirs_exist_ok=True)
-    else:
-        shutil.copytree(policy, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("adapter"))
+        policy = policy / "adapter"
+    check_weights(policy)
+    tmp = out.with_name(f".{out.name}.export-tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(policy, tmp, ignore=shutil.ignore_patterns("adapter"))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
     return out
+
+
+def check_weights(model_dir: Path) -> None:
+    """Every ``*.safetensors`` file of ``model_dir`` is whole: its header parses and its tensors fit the file (a
+    truncated copy is a ValueError naming it)."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"export: {model_dir} holds no *.safetensors weights")
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    st.get_tensor(name)  # reads the tensor: a truncated file fails here if not on open
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise ValueError(f"export: {f} is not a whole safetensors file ({str(e).splitlines()[0][:200]})") \
+                from None

@@ -30,7 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     _eval_parsers(sub)
     ex = sub.add_parser("export", help="write a run's (or checkpoint's) policy as an HF model directory")
     ex.add_argument("source", help="a run dir (its final policy, else its newest checkpoint) or a checkpoint dir")
-    ex.add_argument("--out", required=True)
+    ex.add_argument("--out", required=True, help="a new (or empty) directory")
+    ex.add_argument("--force", action="store_true", help="replace a non-empty --out directory")
     ex.add_argument("--adapter", action="store_true", help="a LoRA run: write the adapter alone (PEFT format) "
                     "instead of the merged model")
     im = sub.add_parser("init-model", help="build the embedded default model (tiny Qwen2 + char tokenizer), or "
@@ -52,24 +53,24 @@ def _cluster_parsers(sub) -> None:
     sm = sub.add_parser("submit", help="submit a training run to a Ray cluster as a Ray job")
     sm.add_argument("-c", "--config", help="YAML config file (inside the current directory, which is uploaded)")
     sm.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.num_workers=4")
-    sm.add_argument("--address", help="job API address (default: RAY_ADDRESS if http, else http://127.0.0.1:8265)")
+    sm.add_argument("--address", help="job API address, http://HOST:8265 (default: RAY_ADDRESS when it is one)")
     sm.add_argument("--python", default="python", help="python executable on the cluster nodes")
     sm.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment for the job")
     st = sub.add_parser("status", help="state, step, reward, eval accuracy and throughput of a submitted run")
     st.add_argument("job", nargs="?", help="job id (default: the newest fleetrl job)")
-    st.add_argument("--address")
+    st.add_argument("--address", help="job API address, http://HOST:8265 (default: RAY_ADDRESS when it is one)")
     st.add_argument("--json", action="store_true", help="print JSON")
     sc = sub.add_parser("scale", help="resize a running job's rollout/reward/env pools (applied at the next step)")
     sc.add_argument("--rollout", type=int, help="rollout actors wanted")
     sc.add_argument("--reward", type=int, help="reward actors wanted")
     sc.add_argument("--env", type=int, help="env actors wanted (runs started with env.num_workers >= 1)")
     sc.add_argument("--run", help="run name (its run.dir's last component); default: the only live run")
-    sc.add_argument("--address", help="Ray GCS address (default: auto, i.e. run this on a cluster node)")
+    sc.add_argument("--address", help="Ray GCS address HOST:PORT (default: RAY_ADDRESS; required, no auto)")
     sc.add_argument("--wait", type=float, default=120.0, help="seconds to wait until applied (0: don't wait)")
     sp = sub.add_parser("stop", help="graceful stop of a running job at the next step boundary (final eval, final "
                         "policy, summary; the job ends SUCCEEDED)")
     sp.add_argument("--run", help="run name (its run.dir's last component); default: the only live run")
-    sp.add_argument("--address", help="Ray GCS address (default: auto, i.e. run this on a cluster node)")
+    sp.add_argument("--address", help="Ray GCS address HOST:PORT (default: RAY_ADDRESS; required, no auto)")
     sp.add_argument("--wait", type=float, default=300.0, help="seconds to wait until it ended (0: don't wait)")
 
 
@@ -160,6 +161,8 @@ def _eval_parsers(sub) -> None:
 
 
 def _data_command(args) -> int:
+    if args.n < 1:
+        raise ConfigError(f"--n {args.n}: write at least 1 row")
     overrides = [*([f"data.task={args.task}"] if args.task else []), *args.overrides]
     from orchestrator.recipes.pipeline import config_or_stage
 
@@ -291,11 +294,11 @@ def _training(run, cfg: FleetConfig) -> int:
     """Run a training command: a failure inside an actor is reported with the actor's name and its log file."""
     from orchestrator.console import describe_failure
     from orchestrator.pools import LearnerDied
-    from orchestrator.trainer import BadTraining, CheckpointFailed
+    from orchestrator.trainer import BadTraining, CheckpointFailed, RewardsFailing
 
     try:
         run()
-    except (LearnerDied, BadTraining, CheckpointFailed) as e:
+    except (LearnerDied, BadTraining, CheckpointFailed, RewardsFailing) as e:
         print(f"fleetrl: {e}", file=sys.stderr)
         return 1
     except Exception as e:
@@ -392,8 +395,8 @@ def _export(args) -> int:
     from orchestrator.checkpoint import export_policy
 
     try:
-        print(export_policy(Path(args.source), Path(args.out), adapter=args.adapter))
-    except FileNotFoundError as e:
+        print(export_policy(Path(args.source), Path(args.out), adapter=args.adapter, force=args.force))
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"fleetrl: {e}", file=sys.stderr)
         return 2
     return 0

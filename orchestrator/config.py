@@ -213,6 +213,17 @@ class RewardFunctionSpec(Section):
     """Keyword arguments bound to the function (e.g. `{max_len: 64}` for `length`; the judge's `on_error`: the
     score of a response the judge could not read, default 0)."""
 
+    @model_validator(mode="after")
+    def _binds(self) -> RewardFunctionSpec:
+        """The function imports and takes ``(prompt, completion, metadata, **params)`` (the judge is checked with
+        the `cai` section)."""
+        from rewards.functions import bind_reward_function
+        from rewards.judge import NAME
+
+        if self.name != NAME:
+            bind_reward_function(self.name, self.params)
+        return self
+
 
 class RewardModelConfig(Section):
     path: str | None = None
@@ -238,6 +249,9 @@ class RewardConfig(Section):
     """Per-call time limit of a reward function; a call past it scores 0 and counts as an error."""
     strict: bool = False
     """Make a raising or hanging reward function fatal instead of scoring 0."""
+    max_error_frac: float = Field(0.5, ge=0.0, le=1.0)
+    """A step where more than this share of the reward-function calls raise, time out or return no number stops
+    the run with the first failure (1: never; `strict` stops at the first)."""
     processes: int = Field(2, ge=1, le=64)
     """Worker processes per reward actor that run the functions under the hard limits (rewards/bounded.py): a
     call past `timeout_s` is stopped by killing its process (`reward/timeouts`), which is replaced."""
@@ -439,6 +453,15 @@ class FleetConfig(Section):
         """The rollout engines' dtype (``rollout.dtype``, where `auto` is ``model.dtype``)."""
         return self.model.dtype if self.rollout.dtype == "auto" else self.rollout.dtype
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_algorithm_name(cls, data):
+        """An algorithm section without ``name`` is the default algorithm's (``algorithm.kl_coef=0.1`` alone)."""
+        algo = data.get("algorithm") if isinstance(data, dict) else None
+        if isinstance(algo, dict) and "name" not in algo:
+            data = {**data, "algorithm": {"name": GRPOConfig.model_fields["name"].default, **algo}}
+        return data
+
     @model_validator(mode="after")
     def _check_batch_split(self) -> FleetConfig:
         seqs = self.data.prompts_per_step * self.rollout.group_size
@@ -525,7 +548,10 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         if e["type"] == "extra_forbidden":
             parent = _section_for(tuple(e["loc"][:-1]))
             allowed = ", ".join(parent.model_fields) if parent else "?"
-            lines.append(f"  {key}: unknown key (allowed here: {allowed})")
+            owners = [m.model_fields["name"].default for m in ALGORITHMS if e["loc"][-1] in m.model_fields]
+            hint = f"; it is a setting of algorithm.name={'|'.join(owners)}" if parent in ALGORITHMS and owners \
+                else ""
+            lines.append(f"  {key}: unknown key (allowed here: {allowed}){hint}")
         elif e["type"] == "union_tag_invalid":
             lines.append(f"  {key}: {e['msg']}")
         else:
@@ -534,6 +560,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
 
 
 def _section_for(path: tuple) -> type[BaseModel] | None:
+    if len(path) == 2 and path[0] == "algorithm":  # the union's tag ('grpo') is in the location
+        return _union_member(FleetConfig, path[1], path)
     cls: type[BaseModel] = FleetConfig
     for part in path:
         if not isinstance(part, str) or part not in cls.model_fields:
@@ -582,7 +610,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
         try:
-            tree = yaml.safe_load(text) or {}
+            from rewards.datasets import yaml_load
+
+            tree = yaml_load(text) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from e
         if not isinstance(tree, dict):

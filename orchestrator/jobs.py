@@ -15,7 +15,6 @@ from pathlib import Path
 
 from orchestrator.config import ConfigError, load_config
 
-DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 # never uploaded with the working dir (Ray also skips what .gitignore lists)
 EXCLUDES = ["runs/", ".venv/", ".git/", "**/checkpoints/", "**/__pycache__/", "bench/results/", "*.safetensors"]
 
@@ -37,6 +36,7 @@ def job_client(address: str | None):
     from ray.job_submission import JobSubmissionClient
 
     token, url = auth_token(), job_address(address)
+    reachable(url, "the job API")
     # Ray's client lets RAY_ADDRESS override the address it is given; on a cluster node that is usually the GCS
     # address, which is not the job API. RAY_API_SERVER_ADDRESS takes precedence over it: pin it to ours.
     before = os.environ.get("RAY_API_SERVER_ADDRESS")
@@ -51,11 +51,16 @@ def job_client(address: str | None):
 
 
 def job_address(address: str | None) -> str:
-    """The job API (dashboard) address: --address, else RAY_ADDRESS when it is an http URL, else local."""
+    """The job API (dashboard) address: --address, else RAY_ADDRESS when it is an http URL; with neither a
+    LookupError says what to give (no default cluster)."""
     import os
 
     env = os.environ.get("RAY_ADDRESS", "")
-    return address or (env if env.startswith("http") else DEFAULT_ADDRESS)
+    found = address or (env if env.startswith("http") else None)
+    if found is None:
+        raise LookupError("give the cluster's job API with --address http://HOST:8265 or RAY_ADDRESS=http://HOST:8265 "
+                          "(fleetrl does not pick a cluster for you)")
+    return found
 
 
 def submit(config: str | None, overrides: list[str], address: str | None, python: str = "python",
@@ -99,7 +104,7 @@ def latest_job(client) -> str:
 def job_status(job_id: str | None, address: str | None) -> dict:
     """The job's state (from the job API at ``address``) and its run's latest numbers, as the driver stated them
     (:mod:`orchestrator.run_status`, read from the cluster's key-value store: this joins the cluster as a Ray
-    client, ``RAY_ADDRESS`` or auto, as `fleetrl scale` does)."""
+    client at ``RAY_ADDRESS``, as `fleetrl scale` does; without it the numbers are left out, with a note)."""
     _token_mode()  # before job_client imports ray
     client = job_client(address)
     job_id = job_id or latest_job(client)
@@ -110,7 +115,11 @@ def job_status(job_id: str | None, address: str | None) -> dict:
     if run:
         from orchestrator.run_status import read_status
 
-        _connect(None)
+        try:
+            _connect(None)
+        except LookupError as e:
+            out["note"] = f"the run's numbers need the cluster: {e}"
+            return out
         found = read_status(run)
         if found:
             out.update({k: v for k, v in found.items() if k not in ("run", "started")})
@@ -135,6 +144,9 @@ def scale(rollout: int | None, reward: int | None, run: str | None, address: str
     Connects to the cluster as a Ray client (run it on a cluster node, or through `ray job submit`)."""
     if rollout is None and reward is None and env is None:
         raise ValueError("give --rollout N, --reward M and/or --env K")
+    bad = {k: v for k, v in (("--rollout", rollout), ("--reward", reward), ("--env", env)) if v is not None and v < 1}
+    if bad:
+        raise ValueError(f"{', '.join(f'{k} {v}' for k, v in bad.items())}: a pool needs at least 1 actor")
     ctl, name = _controller(run, address)
     desired = _call(ctl.scale, rollout=rollout, reward=reward, env=env)
     status, ended = _poll(name, lambda s: _applied(s, desired), wait_s,
@@ -165,7 +177,8 @@ def _token_mode() -> None:
 
 
 def _connect(address: str | None) -> None:
-    """Join the cluster as a Ray client: ``address`` (a GCS address), else RAY_ADDRESS when it is one, else auto."""
+    """Join the cluster as a Ray client: ``address`` (a GCS address), else RAY_ADDRESS when it is one. Never a Ray
+    instance found on this machine: with neither, a LookupError says what to give."""
     import os
 
     _token_mode()
@@ -175,8 +188,32 @@ def _connect(address: str | None) -> None:
         return
     env = os.environ.get("RAY_ADDRESS", "")
     gcs = address if address and not address.startswith("http") else (env if env and not env.startswith("http")
-                                                                       else "auto")
+                                                                       else None)
+    if gcs is None:
+        raise LookupError("give the cluster's GCS address with --address HOST:PORT or RAY_ADDRESS (fleetrl does not "
+                          "attach to a Ray instance it finds on this machine: it may be another user's)")
+    reachable(gcs, "the Ray cluster (GCS)")
     ray.init(address=gcs, logging_level="ERROR", log_to_driver=False)
+
+
+def reachable(address: str, what: str, timeout_s: float = 5.0) -> None:
+    """A TCP connection to ``address`` (``host:port`` or an http URL) opens within ``timeout_s``; else a
+    LookupError naming it (Ray's own clients retry an unreachable address for minutes)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(address if "://" in address else f"tcp://{address}")
+    try:
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise LookupError(f"{address!r} is not an address (give HOST:PORT or http://HOST:PORT)") from None
+    if not host:
+        raise LookupError(f"{address!r} is not an address (give HOST:PORT or http://HOST:PORT)")
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        raise LookupError(f"cannot reach {what} at {address} ({e.strerror or type(e).__name__}, "
+                          f"{timeout_s:.0f} s)") from None
 
 
 def _controller(run: str | None, address: str | None):

@@ -273,6 +273,7 @@ class RewardPool(ActorPool):
         self.cfg = cfg
         super().__init__(cfg.reward.num_workers, cfg.reward.max_restarts)
         self.timeouts = 0  # reward-function calls stopped at reward.timeout_s, over the pool's life
+        self.first_error: str | None = None  # the last score call's first failure, one line
         self.model_pool = RewardModelPool(cfg) if cfg.reward.model.path else None
         self.judge, self.judge_engines = judge or (None, None)
 
@@ -296,11 +297,12 @@ class RewardPool(ActorPool):
         parts = _chunks(samples, len(self.workers))
         outs = self.fan_out(
             lambda w, part: w.score.remote([(s.prompt_text, s.completion_text, s.metadata) for s in part]), parts)
-        results, errors = [], 0
-        for out, errs, timeouts in outs:
+        results, errors, self.first_error = [], 0, None
+        for out, errs, timeouts, first in outs:
             results.extend(out)
             errors += errs
             self.timeouts += timeouts
+            self.first_error = self.first_error or first
         scored = [ScoredSample(s, r.reward, r.components) for s, r in zip(samples, results)]
         if self.model_pool:
             weight = self.cfg.reward.model.weight

@@ -66,8 +66,11 @@ class Trainer:
 
     @classmethod
     def prepare(cls, cfg: FleetConfig) -> FleetConfig:
-        """The config this loop runs with, its inputs checked at load (see :func:`orchestrator.recipes.prepare`);
-        RL reads no file of its own (the task, rewards and judge are checked by the config)."""
+        """The config this loop runs with, its inputs checked at load (see :func:`orchestrator.recipes.prepare`):
+        a loop that scores samples needs a reward, and every user reward function is called once on a sample of
+        the task (a built-in task's: a dataset's prompts need the model's tokenizer, so theirs are checked by the
+        first step's ``reward.max_error_frac``)."""
+        check_rewards(cfg)
         return cfg
 
     @classmethod
@@ -179,6 +182,7 @@ class Trainer:
                     metrics.update({"time/startup_s": self.startup_s,
                                     "time/first_step_s": time.perf_counter() - self.t_config})
                 bad_steps = self._count_bad_step(result, metrics, bad_steps)
+                self._check_reward_errors(step, result, metrics)
                 if save_every and (step + 1) % save_every == 0 and not bad_steps:
                     metrics["time/checkpoint_s"] = self.save_checkpoint(step + 1)
                 self._warn(step, result, bad_steps)
@@ -200,6 +204,16 @@ class Trainer:
         if result.reward_errors:
             log.warning("step %d: %d reward-function calls raised or timed out and scored 0 (tracebacks in %s)",
                         step, result.reward_errors, self.run_dir / "logs" / "reward-*.log")
+
+    def _check_reward_errors(self, step: int, result: StepResult, metrics: dict) -> None:
+        """More than ``reward.max_error_frac`` of a step's reward-function calls failing stops the run with the
+        first failure, rather than training on the zeros they scored."""
+        limit = self.cfg.reward.max_error_frac
+        if result.reward_errors and result.reward_error_frac > limit:
+            self.metrics.log(metrics)
+            raise RewardsFailing(f"step {step}: {result.reward_error_frac:.0%} of the reward-function calls failed "
+                                 f"(reward.max_error_frac={limit}); first: {result.first_reward_error} (tracebacks "
+                                 f"in {self.run_dir / 'logs'}/reward-*.log)")
 
     def _count_bad_step(self, result: StepResult, metrics: dict, bad_steps: int) -> int:
         """A step whose update was skipped for a NaN/Inf gradient is bad; too many in a row stop the run."""
@@ -277,7 +291,8 @@ class Trainer:
             out["process/steps_per_sample"] = float(present.sum(1).float().mean())
         out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
         out["throughput/samples_per_s"] = len(scored) / out["time/step_s"]
-        return StepResult(out, update.skipped, collected.reward_errors)
+        return StepResult(out, update.skipped, collected.reward_errors, collected.info["reward/error_frac"],
+                          collected.first_error)
 
     def rollout_batch(self, step: int, timer: PhaseTimer) -> Collected:
         """The step's scored groups. ``sync``: generated now. ``one_step_off``: the batch generated during the
@@ -382,12 +397,14 @@ class Trainer:
                 informative = not cfg.rollout.dynamic_sampling or len({x.reward for x in group}) > 1
                 (kept if informative else spare).append(group)
         groups = (kept + spare)[:need]
+        calls = rounds * need * G * max(1, len(cfg.reward.functions) - bool(cfg.judge_spec))
+        timed_out = self.fleet.rewards.timeouts - timeouts
         info = {"sampling/rounds": rounds, "sampling/informative_groups": len(kept),
-                "reward/timeouts": self.fleet.rewards.timeouts - timeouts,
+                "reward/error_frac": (errors + timed_out) / calls, "reward/timeouts": timed_out,
                 **({"reward/judge_errors": judge_errors} if self.judge else {})}
         if cfg.env.name:
             info["env/dropped_groups"] = drop_errored_groups(groups) if cfg.env.errored == "drop_group" else 0
-        return Collected([x for grp in groups for x in grp], errors, info)
+        return Collected([x for grp in groups for x in grp], errors, info, self.fleet.rewards.first_error)
 
     def learn(self, batch: TrainBatch) -> Update:
         """Actor update, and the critic's beside it (both groups run concurrently)."""
@@ -534,6 +551,8 @@ class StepResult:
     metrics: dict
     skipped_update: bool = False
     reward_errors: int = 0
+    reward_error_frac: float = 0.0  # of the step's reward-function calls
+    first_reward_error: str | None = None
 
 
 @dataclasses.dataclass
@@ -550,6 +569,34 @@ class CheckpointFailed(RuntimeError):
 
 class BadTraining(RuntimeError):
     """Too many consecutive steps with non-finite gradients."""
+
+
+class RewardsFailing(RuntimeError):
+    """Too many of a step's reward-function calls failed (``reward.max_error_frac``)."""
+
+
+def check_rewards(cfg: FleetConfig) -> None:
+    """A reward to train on, and each user reward function (an import path) called once on a training prompt of
+    a built-in task with its reference answer as the completion: a ConfigError naming it when it raises, hangs or
+    returns no number."""
+    from orchestrator.config import ConfigError
+    from rewards.functions import preflight_reward_function
+    from rewards.judge import NAME
+
+    r = cfg.reward
+    if not r.functions and not r.model.path:
+        raise ConfigError("reward.functions: empty, and no reward.model.path: a run that samples needs a reward "
+                          "(e.g. [{name: math}])")
+    users = [f for f in r.functions if ":" in f.name and f.name != NAME]
+    if not users or cfg.data.path is not None:
+        return
+    prompt = make_task(cfg).train_batch(0, 1)[0]
+    sample = (prompt.text, str(prompt.metadata.get("answer", "")), prompt.metadata)
+    for f in users:
+        try:
+            preflight_reward_function(f.name, f.params, sample)
+        except ValueError as e:
+            raise ConfigError(f"reward.functions[{r.functions.index(f)}]: {e}") from None
 
 
 def samples_to_batch(samples: list, pad_id: int, mask_truncated: bool = False) -> TrainBatch:

@@ -23,13 +23,32 @@ from rewards.functions import load_reward_function
 from rewards.tasks import Prompt, Task
 
 
+def yaml_load(text: str):
+    """``yaml.safe_load``, except that a key given twice in one mapping is an error (YAML keeps the last one
+    silently), naming the key and its line."""
+    import yaml
+
+    class UniqueKeys(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
+                                                            key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return yaml.load(text, Loader=UniqueKeys)  # noqa: S506 - a SafeLoader subclass
+
+
 def read_yaml_mapping(path: str | Path, what: str, error: type[Exception] = ValueError) -> dict:
     """A YAML file whose top level is a mapping (an empty file is ``{}``); an unreadable file, invalid YAML or
     another top level raise ``error`` naming ``what`` and the file."""
     import yaml
 
     try:
-        tree = yaml.safe_load(Path(path).read_text()) or {}
+        tree = yaml_load(Path(path).read_text()) or {}
     except OSError as e:
         raise error(f"cannot read {what} {path}: {e.strerror}") from e
     except yaml.YAMLError as e:
@@ -43,20 +62,26 @@ class DatasetError(ValueError):
     """A dataset that cannot be used; the message names the file and the line or row."""
 
 
-def read_rows(path: Path, prompt_field: str, answer_field: str, skip_invalid: bool,
-              too_long: Callable[[str], bool], answer_form: str = "auto") -> tuple[list[tuple[str, str]], dict]:
-    """(prompt, answer) pairs and counts of skipped rows (``answer_form: number``: every answer is a numeral)."""
+def read_rows(path: Path, prompt_field: str, answer_field: str, skip_invalid: bool,  # noqa: PLR0913
+              too_long: Callable[[str], bool], answer_form: str = "auto",
+              answer_required: bool = True) -> tuple[list[tuple[str, str | None, dict]], dict]:
+    """(prompt, answer, the row's other columns) triples and counts of skipped rows (``answer_form: number``: every
+    answer is a numeral; ``answer_required`` False: a row may have no answer, for verifiers that read other
+    columns, e.g. countdown's ``numbers``/``target`` or code's ``tests``)."""
     if not path.is_file():
         raise DatasetError(f"data.path: {path} is not a file")
     if path.suffix == ".parquet":
-        records, decode = _parquet_records(path, (prompt_field, answer_field)), lambda row: row
+        fields = (prompt_field, answer_field) if answer_required else (prompt_field,)
+        records, decode = _parquet_records(path, fields), lambda row: row
     else:
         records, decode = _jsonl_records(path), json_object
     rows, counts = [], {"invalid": 0, "too_long": 0}
     for where, record in records:
         try:
-            prompt, answer = _parse_row(decode(record), prompt_field, answer_field)
-            _check_form(answer, answer_form, answer_field)
+            row = decode(record)
+            prompt, answer = _parse_row(row, prompt_field, answer_field, answer_required)
+            if answer is not None:
+                _check_form(answer, answer_form, answer_field)
         except DatasetError as e:
             if not skip_invalid:
                 raise DatasetError(f"{where}: {e} (set data.skip_invalid=true to skip such rows)") from None
@@ -65,7 +90,7 @@ def read_rows(path: Path, prompt_field: str, answer_field: str, skip_invalid: bo
         if too_long(prompt):
             counts["too_long"] += 1
             continue
-        rows.append((prompt, answer))
+        rows.append((prompt, answer, {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}))
     if not rows:
         raise DatasetError(f"{path}: no usable rows ({counts['invalid']} invalid, {counts['too_long']} too long)")
     return rows, counts
@@ -79,8 +104,9 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, str]]:
                 yield f"{path}:{lineno}", line
 
 
-def _parquet_records(path: Path, fields: tuple[str, str]) -> Iterator[tuple[str, dict]]:
-    """(``file: row i``, {column: value}) for every row, reading only the mapped columns, in batches."""
+def _parquet_records(path: Path, fields: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+    """(``file: row i``, {column: value}) for every row, every column, in batches (``fields``: the prompt and answer
+    columns, which must exist)."""
     import pyarrow.parquet as pq
 
     try:
@@ -92,7 +118,7 @@ def _parquet_records(path: Path, fields: tuple[str, str]) -> Iterator[tuple[str,
         raise DatasetError(f"{path}: missing column(s) {missing} (file has {pf.schema_arrow.names}; see "
                            "data.prompt_field, data.answer_field)")
     i = 0
-    for batch in pf.iter_batches(batch_size=4096, columns=list(dict.fromkeys(fields))):
+    for batch in pf.iter_batches(batch_size=4096):
         for row in batch.to_pylist():
             yield f"{path}: row {i}", row
             i += 1
@@ -109,18 +135,22 @@ def json_object(line: str) -> dict:
     return row
 
 
-def _parse_row(row: dict, prompt_field: str, answer_field: str) -> tuple[str | list[dict], str]:
-    """(prompt, reference answer) of one row, whatever the file format; raises DatasetError saying what is wrong."""
-    missing = [k for k in (prompt_field, answer_field) if k not in row]
+def _parse_row(row: dict, prompt_field: str, answer_field: str,
+               answer_required: bool = True) -> tuple[str | list[dict], str | None]:
+    """(prompt, reference answer or None) of one row, whatever the file format; raises DatasetError saying what is
+    wrong."""
+    missing = [k for k in (prompt_field, *([answer_field] if answer_required else [])) if k not in row]
     if missing:
         raise DatasetError(f"missing field(s) {missing} (row has {sorted(row)}; see data.prompt_field, "
                            "data.answer_field)")
-    prompt, answer = row[prompt_field], row[answer_field]
+    prompt, answer = row[prompt_field], row.get(answer_field)
     if isinstance(prompt, list):
         _check_messages(prompt, prompt_field)
     elif not isinstance(prompt, str) or not prompt.strip():
         raise DatasetError(f"field {prompt_field!r} must be a non-empty string or a list of chat messages, got "
                            f"{_short(prompt)}")
+    if answer is None and not answer_required:
+        return prompt, None
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise DatasetError(f"field {answer_field!r} must be a string or a number, got {_short(answer)}")
     return prompt, gsm8k_answer(str(answer))
@@ -165,10 +195,12 @@ class DatasetTask(Task):
                  verifier: str = "math", answer_form: str = "auto"):
         self.verifier, self.verifier_fn = verifier, load_reward_function(verifier)  # a bad name fails before reading
         self.answer_form = answer_form
-        rows, self.counts = read_rows(Path(path), prompt_field, answer_field, skip_invalid, too_long, answer_form)
+        required = verifier == "math"  # other verifiers may read other columns (countdown: numbers, target)
+        rows, self.counts = read_rows(Path(path), prompt_field, answer_field, skip_invalid, too_long, answer_form,
+                                      required)
         if eval_path:
             self.eval_rows, _ = read_rows(Path(eval_path), prompt_field, answer_field, skip_invalid, too_long,
-                                          answer_form)
+                                          answer_form, required)
             self.train_rows = rows
         else:
             if len(rows) <= eval_size:
@@ -177,9 +209,12 @@ class DatasetTask(Task):
             self.train_rows, self.eval_rows = rows[:-eval_size], rows[-eval_size:]
         self.seed = seed
 
-    def _prompt(self, uid: str, row: tuple[str, str]) -> Prompt:
+    def _prompt(self, uid: str, row: tuple[str, str | None, dict]) -> Prompt:
+        """A row as a prompt: its other columns are the metadata the reward functions get, with ``answer``."""
         form = {} if self.answer_form == "auto" else {"answer_form": self.answer_form}
-        return Prompt(uid=uid, text=row[0], metadata={"answer": row[1], **form})
+        text, answer, extra = row
+        return Prompt(uid=uid, text=text, metadata={**extra, **({"answer": answer} if answer is not None else {}),
+                                                    **form})
 
     def draw_train(self, rng: random.Random, n: int) -> list[tuple[str, dict]]:
         idx = rng.sample(range(len(self.train_rows)), n) if n <= len(self.train_rows) else \

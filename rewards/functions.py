@@ -121,6 +121,46 @@ def load_builtins() -> None:
         importlib.import_module(module)
 
 
+def bind_reward_function(name: str, params: dict) -> Callable:
+    """``name`` loaded and ``params`` bound to it: a ValueError naming the function when it does not import or
+    cannot be called as ``fn(prompt, completion, metadata, **params)``."""
+    import functools
+    import inspect
+
+    try:
+        fn = load_reward_function(name)
+    except KeyError as e:
+        raise ValueError(e.args[0]) from None
+    except Exception as e:  # noqa: BLE001 - a plugin module may raise anything on import
+        raise ValueError(f"reward function {name!r} does not import: {type(e).__name__}: {e}") from None
+    try:
+        inspect.signature(fn).bind("prompt", "completion", {}, **params)
+    except TypeError as e:
+        raise ValueError(f"reward function {name!r} cannot be called as fn(prompt, completion, metadata"
+                         f"{''.join(f', {k}=...' for k in params)}): {e}") from None
+    except ValueError:  # no signature to read (a builtin): the call below decides
+        pass
+    return functools.partial(fn, **params)
+
+
+def preflight_reward_function(name: str, params: dict, sample: tuple[str, str, dict]) -> None:
+    """One call of the bound function on ``sample`` (prompt, completion, metadata) under the verification limits
+    (:func:`rewards.bounded.shared_pool`): a raise, a timeout or a value that is not a number (or a dict of
+    numbers) is a ValueError naming the function and what it did."""
+    from rewards.bounded import shared_pool
+
+    out = shared_pool().map([bind_reward_function(name, params)], [(0, sample)])[0]
+    if out.status == "timeout":
+        raise ValueError(f"reward function {name!r} did not return within the limit on a sample of the task")
+    if not out.ok:
+        raise ValueError(f"reward function {name!r} raised on a sample of the task: "
+                         f"{str(out.value).splitlines()[0]}")
+    values = out.value.values() if isinstance(out.value, dict) else [out.value]
+    if not values or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"reward function {name!r} returned {out.value!r} on a sample of the task; it must return a "
+                         "number (or a dict of numbers)")
+
+
 def load_reward_function(name: str) -> RewardFn:
     """A built-in by name, or a user function by import path ``pkg.module:function``."""
     load_builtins()

@@ -320,7 +320,7 @@ def countdown_reward(prompt: str, completion: str, metadata: dict, use_all: bool
     value, used = parsed
     given, allowed = Counter(used), Counter(int(n) for n in metadata["numbers"])
     numbers_ok = given == allowed if use_all else not given - allowed
-    target = Fraction(str(metadata.get("target", metadata["answer"])))
+    target = Fraction(str(metadata["target"] if "target" in metadata else metadata["answer"]))
     return 1.0 if numbers_ok and value == target else float(format_score)
 
 

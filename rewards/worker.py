@@ -32,11 +32,13 @@ class ScoreResult:
 
 
 class ScoreBatch(NamedTuple):
-    """A batch's scores, the calls that raised, and the calls stopped at the time limit."""
+    """A batch's scores, the calls that raised, the calls stopped at the time limit, and the first failure's
+    one-line description (None when every call succeeded)."""
 
     results: list[ScoreResult]
     errors: int
     timeouts: int
+    first_error: str | None = None
 
 
 class RewardFunctionError(RuntimeError):
@@ -64,7 +66,7 @@ class RewardWorker(LoggedActor):
     def score(self, items: list[tuple[str, str, dict]]) -> ScoreBatch:
         """Score every item: the results, and how many calls raised or were stopped at the limit."""
         outcomes = self._outcomes(items)
-        results, errors, timeouts = [], 0, 0
+        results, errors, timeouts, first = [], 0, 0, None
         for i in range(len(items)):
             comps: dict[str, float] = {}
             total = 0.0
@@ -72,6 +74,8 @@ class RewardWorker(LoggedActor):
                 values, status = self._value(name, outcomes[f][i])
                 errors += status == "error"
                 timeouts += status == "timeout"
+                if status != "ok" and first is None:
+                    first = self._brief(name, outcomes[f][i])
                 for key, v in values.items():
                     comps[key] = v
                     total += weight * v
@@ -79,7 +83,7 @@ class RewardWorker(LoggedActor):
         self.errors += errors
         self.timeouts += timeouts
         self.scored += len(items)
-        return ScoreBatch(results, errors, timeouts)
+        return ScoreBatch(results, errors, timeouts, first)
 
     def _outcomes(self, items: list[tuple[str, str, dict]]) -> list[list[Outcome]]:
         """Per function, the outcome of its call on every item: bounded functions in the process pool, the ones
@@ -112,11 +116,8 @@ class RewardWorker(LoggedActor):
                 return {name: float(out)}, "ok"
             except (TypeError, ValueError) as e:
                 outcome = Outcome("error", f"{type(e).__name__}: returned {outcome.value!r}, not a number")
-        if outcome.status == "timeout":
-            err = brief = f"reward function {name!r} timed out after {self.timeout_s}s"
-        else:
-            err = f"reward function {name!r} raised:\n{outcome.value}"
-            brief = f"reward function {name!r} raised {str(outcome.value).splitlines()[0]}"
+        brief = self._brief(name, outcome)
+        err = brief if outcome.status == "timeout" else f"reward function {name!r} raised:\n{outcome.value}"
         if self.strict:
             log.error("%s (reward.strict=true makes this fatal)", err)
             raise RewardFunctionError(f"{brief} (reward.strict=true makes this fatal; the traceback is in this "
@@ -125,6 +126,14 @@ class RewardWorker(LoggedActor):
             log.error("%s (scored 0; further errors are only counted)", err)
             self._logged = True
         return {name: 0.0}, outcome.status
+
+    def _brief(self, name: str, outcome: Outcome) -> str:
+        """One line on a failed call."""
+        if outcome.status == "timeout":
+            return f"reward function {name!r} timed out after {self.timeout_s}s"
+        if outcome.ok:  # it returned something that is not a number
+            return f"reward function {name!r} returned {outcome.value!r}, not a number"
+        return f"reward function {name!r} raised {str(outcome.value).splitlines()[0]}"
 
     def close(self) -> None:
         """Stop the worker processes (they also die with this actor)."""

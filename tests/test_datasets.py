@@ -105,8 +105,9 @@ def test_parquet_gsm8k_layout_matches_jsonl(tmp_path):
                             "extra": list(range(len(rows)))})
     pq_task = DatasetTask(str(f), "question", "answer", False, eval_size=2, seed=0)
     jsonl_task = DatasetTask(str(SAMPLE), "question", "answer", False, eval_size=2, seed=0)
-    assert pq_task.train_rows == jsonl_task.train_rows and pq_task.eval_rows == jsonl_task.eval_rows
-    assert pq_task.eval_set(2)[0].metadata["answer"] == "300"
+    assert [r[:2] for r in pq_task.train_rows] == [r[:2] for r in jsonl_task.train_rows]
+    assert [r[:2] for r in pq_task.eval_rows] == [r[:2] for r in jsonl_task.eval_rows]
+    assert pq_task.eval_set(2)[0].metadata == {"answer": "300", "extra": 3}  # every other column is metadata
     assert [p.text for p in pq_task.train_batch(5, 3)] == [p.text for p in jsonl_task.train_batch(5, 3)]
 
 
@@ -114,7 +115,8 @@ def test_parquet_custom_columns_and_numeric_answers(tmp_path):
     f = _parquet(tmp_path, {"problem": ["1+1=", "2+3=", "7*6=", "9-4="], "solution": [2, 5, 42, 5],
                             "source": ["a", "b", "c", "d"]})
     task = DatasetTask(str(f), "problem", "solution", False, eval_size=1, seed=0)
-    assert task.train_rows == [("1+1=", "2"), ("2+3=", "5"), ("7*6=", "42")] and task.eval_rows == [("9-4=", "5")]
+    assert [r[:2] for r in task.train_rows] == [("1+1=", "2"), ("2+3=", "5"), ("7*6=", "42")]
+    assert [r[:2] for r in task.eval_rows] == [("9-4=", "5")]
     assert math_reward("9-4=", "5", task.eval_set(1)[0].metadata) == 1.0
 
 
@@ -143,7 +145,7 @@ def test_parquet_null_answer_and_long_prompts(tmp_path):
     with pytest.raises(DatasetError, match=r"row 2: field 'answer' must be a string or a number, got null"):
         DatasetTask(str(f), "prompt", "answer", False, eval_size=1, seed=0, too_long=lambda p: len(p) > 10)
     task = DatasetTask(str(f), "prompt", "answer", True, eval_size=1, seed=0, too_long=lambda p: len(p) > 10)
-    assert task.counts == {"invalid": 1, "too_long": 1} and task.train_rows == [("1+1=", "2")]
+    assert task.counts == {"invalid": 1, "too_long": 1} and [r[:2] for r in task.train_rows] == [("1+1=", "2")]
 
 
 def test_not_a_parquet_file(tmp_path):
@@ -162,3 +164,25 @@ def test_chat_message_prompts_are_accepted_and_bad_messages_named(tmp_path):
     bad.write_text(json.dumps({"prompt": [{"role": "robot", "content": "x"}], "answer": "4"}) + "\n")
     with pytest.raises(DatasetError, match=r"bad\.jsonl:1: field 'prompt', message 0: expected \{role: one of"):
         DatasetTask(str(bad), "prompt", "answer", False, eval_size=1, seed=0)
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_a_rows_other_columns_reach_the_reward_functions(tmp_path, suffix):
+    """Issue 43: every column but the prompt is metadata, so countdown reads `numbers` and `target` from a file
+    (no `answer` column needed with a verifier other than math), and `math` keeps `answer`."""
+    rows = [{"prompt": f"Use {a}, {b} to make {a + b}", "numbers": [a, b], "target": a + b, "level": i}
+            for i, (a, b) in enumerate([(3, 4), (5, 6), (7, 8), (9, 1)])]
+    path = tmp_path / f"countdown.{suffix}"
+    if suffix == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    task = DatasetTask(str(path), "prompt", "answer", False, eval_size=1, seed=0, verifier="countdown")
+    p = task.eval_set(1)[0]
+    assert p.metadata == {"numbers": [9, 1], "target": 10, "level": 3}
+    assert countdown_reward(p.text, "9+1", p.metadata) == 1.0 and countdown_reward(p.text, "9*1", p.metadata) == 0.0
+    with pytest.raises(DatasetError, match=r"missing (field|column)\(s\) \['answer'\]"):  # math needs its reference
+        DatasetTask(str(path), "prompt", "answer", False, eval_size=1, seed=0)

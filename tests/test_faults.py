@@ -101,6 +101,10 @@ def test_nan_steps_are_skipped_then_the_run_stops(tmp_path, ranks, zero_stage):
 
 
 def failing_reward(prompt, completion, metadata):
+    """Fails on what the policy writes; the load-time check's sample (the reference answer) passes, so the
+    failure happens inside the reward actor, which is what the test below is about."""
+    if completion == metadata["answer"]:
+        return 1.0
     raise ValueError("this reward function always fails")
 
 

@@ -59,3 +59,4 @@ class Collected:
     scored: list[ScoredSample]
     reward_errors: int = 0
     info: dict = field(default_factory=dict)
+    first_error: str | None = None  # the first failed reward-function call, one line

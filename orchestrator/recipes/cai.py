@@ -206,9 +206,6 @@ def check_judge(cfg: FleetConfig, constitution: Constitution) -> list[int]:
 
 
 def _write_jsonl(out: str | Path, rows: list[dict]) -> None:
-    """Written under a temporary name and renamed: a crash leaves no half file."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(out)
+    from orchestrator.recipes.data import write_jsonl
+
+    write_jsonl(out, rows)

@@ -10,7 +10,6 @@ the ``format`` reward before it is written.
 from __future__ import annotations
 
 import ast
-import json
 import random
 from fractions import Fraction
 from pathlib import Path
@@ -96,8 +95,10 @@ def cold_start_rows(data_cfg, n: int, seed: int = 0) -> list[tuple[dict, dict]]:
 
 def write_cold_start(data_cfg, n: int, out: str | Path, seed: int = 0) -> dict:
     """:func:`cold_start_rows` written as JSONL; returns a summary."""
+    from orchestrator.recipes.data import write_jsonl
+
+    if n < 1:
+        raise ValueError(f"--n {n}: write at least 1 row")
     rows = [row for row, _ in cold_start_rows(data_cfg, n, seed)]
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_jsonl(out, rows)
     return {"task": data_cfg.task, "rows": len(rows), "out": str(out), "example": rows[0]}

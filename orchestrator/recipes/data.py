@@ -31,6 +31,18 @@ class Example:
     loss_mask: list[int]
 
 
+def write_jsonl(out: str | Path, rows: list[dict]) -> Path:
+    """JSONL written under a temporary name and renamed into place: a crash or an error leaves no half file."""
+    import json
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(out)
+    return out
+
+
 def read_jsonl(path: str | Path, what: str) -> list[tuple[int, dict]]:
     """``(line number, object)`` of every non-empty line; an unreadable file or a line that is not a JSON object is
     an error naming the file and line."""

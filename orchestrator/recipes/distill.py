@@ -35,6 +35,7 @@ def teacher_data(cfg: FleetConfig, out: Path) -> dict:
     """Generate with the teacher, keep the verified samples, write them as SFT rows; returns the counts."""
     from orchestrator.fleet import Fleet, Roles
     from orchestrator.launch import make_task
+    from orchestrator.recipes.data import write_jsonl
     from orchestrator.recipes.rft import keep_verified
     from rewards.functions import verdicts
 
@@ -55,10 +56,7 @@ def teacher_data(cfg: FleetConfig, out: Path) -> dict:
         raise RuntimeError(f"distill: the teacher {cfg.distill.teacher} answered none of {len(prompts)} prompts "
                            "correctly; nothing to distill")
     rows = [{"prompt": text[x.sample.prompt_uid], "response": x.sample.completion_text} for x in kept]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(out)
+    write_jsonl(out, rows)
     return {"teacher": cfg.distill.teacher, "prompts": len(prompts), "samples": len(samples),
             "teacher_accuracy": sum(correct) / len(correct), "kept": len(kept),
             "kept_fraction": len(kept) / len(samples), "reward_errors": errors,

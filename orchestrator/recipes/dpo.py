@@ -37,10 +37,11 @@ class DPOTrainer(Trainer):
 
     @classmethod
     def prepare(cls, cfg: FleetConfig) -> FleetConfig:
-        """Offline: the pairs file read and checked at load."""
+        """Offline: the pairs file read and checked at load; online: the rewards, as RL's."""
         if cfg.algorithm.pairs:
             load_pairs(cfg.algorithm.pairs)
-        return cfg
+            return cfg
+        return super().prepare(cfg)
 
     @classmethod
     def roles(cls, cfg: FleetConfig) -> Roles:
@@ -94,7 +95,7 @@ class DPOTrainer(Trainer):
             out["dpo/pairs"] = 0
         out = {**out, **timer.metrics()}
         out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
-        return StepResult(out, skipped, reward_errors)
+        return StepResult(out, skipped, reward_errors, collected.info["reward/error_frac"], collected.first_error)
 
     def _update(self, pairs: list[tuple[Example, Example]], timer: PhaseTimer,
                 preferences: list[float] | None = None) -> StepResult:

@@ -30,7 +30,7 @@ import torch
 from orchestrator.config import ConfigError, FleetConfig
 from orchestrator.fleet import Roles, training_roles
 from orchestrator.metrics import PhaseTimer
-from orchestrator.recipes.data import Example, draw, examples_batch, read_jsonl
+from orchestrator.recipes.data import Example, draw, examples_batch, read_jsonl, write_jsonl
 from orchestrator.search.methods import mc_labels
 from orchestrator.steps import step_ends, step_separator
 from orchestrator.trainer import StepResult, Trainer, learner_metrics
@@ -102,8 +102,7 @@ def run_label(cfg: FleetConfig, out: str) -> dict:
         if "steps" in s.metadata:  # the chain task: the true running totals
             row["truth"] = step_truth(row["steps"], s.metadata)
         rows.append(row)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_jsonl(out, rows)
     summary = {"solutions": len(rows), "steps": sum(len(r["steps"]) for r in rows), "prefixes": len(jobs),
                "continuations": len(conts), "solution_accuracy": sum(r["correct"] for r in rows) / max(len(rows), 1),
                "continuation_seconds": round(cont_s, 2), "prefixes_per_s": round(len(jobs) / cont_s, 1) if jobs else 0,

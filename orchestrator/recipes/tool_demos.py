@@ -78,7 +78,7 @@ def tool_demo_rows(cfg: FleetConfig, n: int, seed: int = 0) -> list[dict]:
 def write_tool_demos(cfg: FleetConfig, n: int, out: str | Path, seed: int = 0) -> dict:
     """:func:`tool_demo_rows` written as JSONL; returns a summary."""
     rows = tool_demo_rows(cfg, n, seed)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from orchestrator.recipes.data import write_jsonl
+
+    write_jsonl(out, rows)
     return {"task": cfg.data.task, "rows": len(rows), "out": str(out), "example": rows[0]}

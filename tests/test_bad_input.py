@@ -1,0 +1,104 @@
+"""Bad input found by trying the CLI as a new user would (issue 43): each gets one line naming the key, file or
+value and what is allowed, exit 2, before anything starts and with nothing written. In-process (`cli.main`), so
+the table costs seconds; the run-time cases (a reward function failing in the actors) are in test_faults."""
+
+import json
+
+import pytest
+
+from orchestrator.cli import main
+
+
+def bad_signature(prompt, completion):  # no metadata
+    return 1.0
+
+
+def raises_on_everything(prompt, completion, metadata):
+    raise KeyError("tests")
+
+
+def returns_text(prompt, completion, metadata):
+    return "good"
+
+
+def good_reward(prompt, completion, metadata, bonus=0.0):
+    return 1.0 + bonus
+
+
+def _run(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().err.strip()
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["train", "reward.functions=[{name: 'tests.test_bad_input:bad_signature'}]"],
+     ["reward.functions", "bad_signature", "cannot be called as fn(prompt, completion, metadata)"]),
+    (["train", "reward.functions=[{name: 'tests.test_bad_input:good_reward', params: {bonsu: 1}}]"],
+     ["good_reward", "bonsu"]),
+    (["train", "reward.functions=[{name: 'tests.no_such_module:fn'}]"], ["tests.no_such_module:fn", "does not import"]),
+    (["train", "reward.functions=[{name: 'tests.test_bad_input:raises_on_everything'}]"],
+     ["reward.functions[0]", "raises_on_everything", "raised on a sample of the task", "KeyError"]),
+    (["train", "reward.functions=[{name: 'tests.test_bad_input:returns_text'}]"],
+     ["reward.functions[0]", "returned 'good'", "must return a number"]),
+    (["train", "reward.functions=[]"], ["reward.functions: empty"]),
+    (["config", "show", "rollout.group_size=true"], ["group_size: a number is expected, not the boolean true"]),
+    (["config", "show", "algorithm.gamma=0.9"],
+     ["algorithm.grpo.gamma: unknown key", "algorithm.name=reinforce_pp|ppo"]),
+    (["stop"], ["--address", "RAY_ADDRESS", "does not attach"]),
+    (["status"], ["--address http://HOST:8265"]),
+    (["scale", "--rollout", "-1", "--address", "127.0.0.1:1"], ["--rollout -1", "at least 1"]),
+    (["stop", "--run", "nope", "--address", "127.0.0.1:1"], ["cannot reach the Ray cluster (GCS) at 127.0.0.1:1"]),
+    (["status", "--address", "http://127.0.0.1:1"], ["cannot reach the job API at http://127.0.0.1:1"]),
+])
+def test_bad_input_gets_one_line_and_exit_2(capsys, monkeypatch, tmp_path, argv, words):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code, err = _run(capsys, *argv, *([f"run.dir={tmp_path}/run"] if argv[0] == "train" else []))
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.splitlines()) <= 2, err
+    for w in words:
+        assert w in err, err
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_kl_coef_alone_is_the_default_algorithms(capsys):
+    assert _run(capsys, "config", "show", "algorithm.kl_coef=0.1")[0] == 0
+
+
+def test_duplicate_yaml_keys_are_refused(capsys, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("rollout:\n  group_size: 4\n  group_size: 8\n")
+    code, err = _run(capsys, "config", "show", "-c", str(cfg))
+    assert code == 2 and "key 'group_size' is given twice" in err and "line 3" in err, err
+
+
+def test_data_commands_check_n_and_write_nothing_half(capsys, tmp_path):
+    out = tmp_path / "rows.jsonl"
+    code, err = _run(capsys, "data", "cold-start", "--n", "-1", "--out", str(out))
+    assert code == 2 and "--n -1" in err and not out.exists(), err
+    assert _run(capsys, "data", "cold-start", "--n", "3", "--out", str(out))[0] == 0
+    assert len(out.read_text().splitlines()) == 3 and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_export_refuses_a_file_a_non_empty_dir_and_a_truncated_weights_file(capsys, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    final = tmp_path / "run" / "final"
+    final.mkdir(parents=True)
+    (final / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    save_file({"w": torch.arange(4096.0)}, str(final / "model.safetensors"))
+    taken = tmp_path / "taken.txt"
+    taken.write_text("x")
+    code, err = _run(capsys, "export", str(tmp_path / "run"), "--out", str(taken))
+    assert code == 2 and "a file is there" in err, err
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    code, err = _run(capsys, "export", str(tmp_path / "run"), "--out", str(full))
+    assert code == 2 and "not empty" in err and "--force" in err and (full / "keep.txt").exists(), err
+    assert _run(capsys, "export", str(tmp_path / "run"), "--out", str(full), "--force")[0] == 0
+    assert sorted(p.name for p in full.iterdir()) == ["config.json", "model.safetensors"]
+    weights = final / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    code, err = _run(capsys, "export", str(tmp_path / "run"), "--out", str(tmp_path / "new"))
+    assert code == 2 and "not a whole safetensors file" in err and not (tmp_path / "new").exists(), err
