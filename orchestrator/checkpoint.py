@@ -80,10 +80,25 @@ def resolve(resume: str, run_dir: Path) -> Path:
         found = complete_checkpoints(run_dir)
         if not found:
             raise FileNotFoundError(f"--resume auto: no complete checkpoint under {checkpoint_root(run_dir)}")
-        return found[-1]
+        return check_checkpoint(found[-1])
     path = Path(resume)
     if not (path / MARKER).exists():
         raise FileNotFoundError(f"--resume {resume}: not a complete fleetrl checkpoint (no {MARKER} marker)")
+    return check_checkpoint(path)
+
+
+def check_checkpoint(path: Path) -> Path:
+    """A checkpoint a run can resume from: its state file parses and its learner state is there (a
+    FileNotFoundError naming what is missing or broken)."""
+    state = path / "trainer_state.json"
+    try:
+        fields = json.loads(state.read_text())
+        int(fields["step"]), int(fields["policy_version"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise FileNotFoundError(f"checkpoint {path}: {state.name} is missing or broken ({type(e).__name__}: "
+                                f"{str(e)[:120]}); resume from another checkpoint") from None
+    if not (path / "learner").is_dir() or not any((path / "learner").iterdir()):
+        raise FileNotFoundError(f"checkpoint {path}: no learner state (learner/); resume from another checkpoint")
     return path
 
 

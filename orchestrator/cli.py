@@ -243,10 +243,27 @@ number of steps (its demonstrations teach the tool format; accuracy without the 
 model to 30% whole-solution accuracy (the middle of the 20-60% a process-supervision study wants)."""
 
 
+def check_model_dir(path: Path, key: str) -> None:
+    """A model directory a run can load: config.json parses and names a causal LM, and weights are there (a
+    ConfigError naming ``key``, the file and what is wrong)."""
+    try:
+        archs = json.loads((path / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{key}: {path / 'config.json'} is not a readable JSON config ({type(e).__name__})") \
+            from None
+    if archs and not any(a.endswith("ForCausalLM") for a in archs):
+        raise ConfigError(f"{key}: {path} is a {archs[0]}, not a causal LM (its architectures must end in "
+                          "ForCausalLM, e.g. Qwen2ForCausalLM)")
+    weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin"), *path.glob("*.safetensors.index.json")]
+    if not weights:
+        raise ConfigError(f"{key}: {path} has a config.json but no weights (*.safetensors or pytorch_model*.bin)")
+
+
 def ensure_model(cfg: FleetConfig) -> None:
     """Build the embedded model when it is the configured one and missing; fail clearly for other paths."""
     path = Path(cfg.model.path)
     if (path / "config.json").exists():
+        check_model_dir(path, "model.path")
         return
     if cfg.model.path in EMBEDDED_MODELS:
         from orchestrator.embedded_model import init_model
@@ -377,11 +394,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             return _config(args, overrides)
         cfg = load_run_config(args.config, overrides, args.stage)
+        ensure_model(cfg)
         if args.command == "train":
             from orchestrator.recipes import prepare
 
-            prepare(cfg)  # before the model is built or any actor starts
-        ensure_model(cfg)
+            prepare(cfg)  # every input checked before Ray starts or any run file is written
         from rewards.reward_model import ensure_reward_model
 
         ensure_reward_model(cfg.reward.model.path, cfg.model.path)

@@ -88,6 +88,7 @@ class Fleet:
         """A fleet whose actors are all ready. ``probe``: ``(prompts, pad_id)`` for the weight push's check
         (:mod:`orchestrator.weight_sync`), needed when the roles hold a learner and engines. A start that fails
         stops what it started."""
+        check_resources(cfg, roles)
         fleet = cls(cfg, roles, judge)
         try:
             fleet.wait()
@@ -259,6 +260,43 @@ class Fleet:
         c = self.cfg
         return start_controller(Path(c.run.dir).name, c.rollout.num_workers if self.rollouts else 0,
                                 c.reward.num_workers if self.rewards else 0, c.env.num_workers if self.envs else 0)
+
+
+def resource_demand(cfg: FleetConfig, roles: Roles) -> dict[str, dict[str, float]]:
+    """Per resource (GPU and custom ones), what each role's actors ask of the cluster in all."""
+    lc, r, out = cfg.learner, cfg.rollout, {}
+
+    def add(role: str, count: int, gpus: float, resources: dict) -> None:
+        for name, each in {"GPU": gpus, **resources}.items():
+            if each:
+                out.setdefault(name, {})[role] = out.get(name, {}).get(role, 0.0) + count * each
+
+    if roles.learner:
+        add("learner", lc.num_ranks, lc.num_gpus, lc.resources)
+    if roles.critic:
+        add("critic", lc.num_ranks, lc.num_gpus, lc.resources)
+    if roles.rollout:
+        add("rollout", r.num_workers, r.num_gpus * r.tensor_parallel_size, r.resources)
+    if roles.reward:
+        add("reward", cfg.reward.num_workers, 0.0, cfg.reward.resources)
+    return out
+
+
+def check_resources(cfg: FleetConfig, roles: Roles) -> None:
+    """GPUs and custom resources the roles ask for that the connected cluster does not have at all: a ConfigError
+    before any actor is created (Ray would wait for them forever; CPUs are not checked: a private local instance is
+    sized to the run, and on a cluster more CPUs mean waiting, not never)."""
+    import ray
+
+    from orchestrator.config import ConfigError
+
+    have = ray.cluster_resources()
+    for name, by_role in resource_demand(cfg, roles).items():
+        need = sum(by_role.values())
+        if need > have.get(name, 0.0) + 1e-9:
+            who = ", ".join(f"{role} {v:g}" for role, v in by_role.items())
+            raise ConfigError(f"the run asks for {need:g} {name} ({who}); the cluster has {have.get(name, 0.0):g} "
+                              f"(set learner.num_gpus / rollout.num_gpus / the roles' resources to what it has)")
 
 
 _ATTR = {"learner": "learner", "critic": "critic", "env": "envs", "rollout": "rollouts", "feedback": "feedback",

@@ -41,8 +41,10 @@ def make_task(cfg: FleetConfig):
     from workers.prompts import PromptRenderer
 
     renderer = PromptRenderer(load_tokenizer(cfg.model.path), d.prompt_format, d.system_prompt)
+    # a prompt must fit the engines' context too (the model's may be shorter than data.max_prompt_tokens)
+    limit = min(d.max_prompt_tokens, max_model_len(cfg) - 1)
     task = DatasetTask(d.path, d.prompt_field, d.answer_field, d.skip_invalid, d.eval_size, d.seed, d.eval_path,
-                       too_long=lambda p: len(renderer.render(p)[1]) > d.max_prompt_tokens, verifier=d.verifier,
+                       too_long=lambda p: len(renderer.render(p)[1]) > limit, verifier=d.verifier,
                        answer_form=d.answer_form)
     log.info("dataset %s: %d train / %d eval rows; skipped %s", d.path, len(task.train_rows), len(task.eval_rows),
              task.counts)

@@ -23,7 +23,7 @@ from orchestrator import checkpoint as ckpt
 from orchestrator.config import FleetConfig, dump_config
 from orchestrator.console import Console, banner, sample_line, slow_bf16_warning
 from orchestrator.episodes import drop_errored_groups, episode_metrics, eval_episode_metrics
-from orchestrator.fleet import Fleet, Roles, training_roles
+from orchestrator.fleet import Fleet, Roles, check_resources, training_roles
 from orchestrator.launch import init_ray, load_tokenizer, make_task
 from orchestrator.metrics import MetricsLogger, PhaseTimer
 from orchestrator.pools import LearnerDied, Update, gather_update
@@ -67,9 +67,8 @@ class Trainer:
     @classmethod
     def prepare(cls, cfg: FleetConfig) -> FleetConfig:
         """The config this loop runs with, its inputs checked at load (see :func:`orchestrator.recipes.prepare`):
-        a loop that scores samples needs a reward, and every user reward function is called once on a sample of
-        the task (a built-in task's: a dataset's prompts need the model's tokenizer, so theirs are checked by the
-        first step's ``reward.max_error_frac``)."""
+        the task's data read and checked, a loop that scores samples needs a reward, and every user reward
+        function is called once on a sample of the task."""
         check_rewards(cfg)
         return cfg
 
@@ -576,9 +575,9 @@ class RewardsFailing(RuntimeError):
 
 
 def check_rewards(cfg: FleetConfig) -> None:
-    """A reward to train on, and each user reward function (an import path) called once on a training prompt of
-    a built-in task with its reference answer as the completion: a ConfigError naming it when it raises, hangs or
-    returns no number."""
+    """The task (a dataset's rows read and checked), a reward to train on, and each user reward function (an
+    import path) called once on a training prompt with its reference answer as the completion: a ConfigError
+    naming it when it raises, hangs or returns no number."""
     from orchestrator.config import ConfigError
     from rewards.functions import preflight_reward_function
     from rewards.judge import NAME
@@ -587,10 +586,11 @@ def check_rewards(cfg: FleetConfig) -> None:
     if not r.functions and not r.model.path:
         raise ConfigError("reward.functions: empty, and no reward.model.path: a run that samples needs a reward "
                           "(e.g. [{name: math}])")
+    task = make_task(cfg)  # a dataset's rows are read and checked here
     users = [f for f in r.functions if ":" in f.name and f.name != NAME]
-    if not users or cfg.data.path is not None:
+    if not users:
         return
-    prompt = make_task(cfg).train_batch(0, 1)[0]
+    prompt = task.train_batch(0, 1)[0]
     sample = (prompt.text, str(prompt.metadata.get("answer", "")), prompt.metadata)
     for f in users:
         try:
@@ -633,8 +633,13 @@ def run_training(cfg: FleetConfig, resume: str | None = None, loop: type | None 
 
     loop = loop or loop_for(cfg)
     cfg = loop.prepare(cfg)
+    if resume:
+        ckpt.resolve(resume, Path(cfg.run.dir))  # a broken checkpoint is named before anything is written
+    dashboard = init_ray(cfg)
+    if fleet is None:
+        check_resources(cfg, loop.roles(cfg))  # GPUs or resources the cluster lacks: refused before the run dir
     console = Console(verbose=cfg.run.verbose)
     console.setup_logging(Path(cfg.run.dir))
     trainer = loop(cfg, resume, console)  # checks --resume and data before any actor
-    trainer.dashboard = init_ray(cfg)
+    trainer.dashboard = dashboard
     return trainer.run(fleet)

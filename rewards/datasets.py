@@ -97,9 +97,14 @@ def read_rows(path: Path, prompt_field: str, answer_field: str, skip_invalid: bo
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[str, str]]:
-    """(``file:line``, line text) for every non-blank line."""
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
+    """(``file:line``, line text) for every non-blank line; a line that is not UTF-8 is a DatasetError naming it."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start:e.start + 1]!r} at column "
+                                   f"{e.start + 1})") from None
             if line.strip():
                 yield f"{path}:{lineno}", line
 

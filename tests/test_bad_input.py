@@ -102,3 +102,36 @@ def test_export_refuses_a_file_a_non_empty_dir_and_a_truncated_weights_file(caps
     weights.write_bytes(weights.read_bytes()[:-100])
     code, err = _run(capsys, "export", str(tmp_path / "run"), "--out", str(tmp_path / "new"))
     assert code == 2 and "not a whole safetensors file" in err and not (tmp_path / "new").exists(), err
+
+
+def test_model_dirs_a_run_cannot_load_are_refused_at_load(capsys, tmp_path):
+    """A config.json without weights, a model that is not a causal LM, a corrupt config.json."""
+    cases = {"empty": ('{"architectures": ["Qwen2ForCausalLM"]}', "has a config.json but no weights"),
+             "bert": ('{"architectures": ["BertForMaskedLM"]}', "BertForMaskedLM, not a causal LM"),
+             "corrupt": ('{"architectures": ', "not a readable JSON config")}
+    for name, (config, words) in cases.items():
+        model = tmp_path / name
+        model.mkdir()
+        (model / "config.json").write_text(config)
+        if name == "bert":
+            (model / "model.safetensors").write_bytes(b"")
+        code, err = _run(capsys, "train", f"model.path={model}", f"run.dir={tmp_path}/run")
+        assert code == 2 and "model.path" in err and words in err and "Traceback" not in err, (name, err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_broken_checkpoint_is_named_before_the_run_dir_is_touched(capsys, tmp_path):
+    step = tmp_path / "run" / "checkpoints" / "step_000002"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("")
+    (step / "trainer_state.json").write_text('{"step": 2, "policy_ver')  # truncated
+    code, err = _run(capsys, "train", "--resume", "auto", f"run.dir={tmp_path}/run")
+    assert code == 2 and "trainer_state.json is missing or broken" in err and str(step) in err, err
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoints"]  # no config.yaml, no logs/
+
+
+def test_a_dataset_line_that_is_not_utf8_is_named(capsys, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\xff", "answer": "3"}\n')
+    code, err = _run(capsys, "train", f"data.path={data}", "data.prompt_field=prompt", f"run.dir={tmp_path}/run")
+    assert code == 2 and f"{data}:2: not UTF-8" in err and "Traceback" not in err, err

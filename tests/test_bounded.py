@@ -107,7 +107,7 @@ ACTOR_SCRIPT = textwrap.dedent("""
     actor = ray.remote(RewardWorker).options(num_cpus=0.25).remote([("math", 1.0, {})], LIMIT_S, False)
     ray.get(actor.score.remote(batch()[:2]))  # started and warm
     t0 = time.perf_counter()
-    results, errors, timeouts = ray.get(actor.score.remote(batch()))
+    results, errors, timeouts, _ = ray.get(actor.score.remote(batch()))
     elapsed = time.perf_counter() - t0
     pids = ray.get(actor.stats.remote())["processes"]
     ray.kill(actor, no_restart=True)

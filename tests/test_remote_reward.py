@@ -121,14 +121,14 @@ def test_through_the_reward_worker(server):
     """Concurrent scoring through the worker; a failing service scores 0 and is counted, not fatal."""
     good = RewardWorker(specs=[("remote", 2.0, {"url": server.base + "/score"})], timeout_s=5.0, strict=False)
     items = [("p", str(i), {"answer": "3"}) for i in range(8)]
-    results, errors, _ = good.score(items)
+    results, errors, *_ = good.score(items)
     assert errors == 0 and [r.reward for r in results] == [2.0 * (i == 3) for i in range(8)]
     assert results[3].components == {"remote": 1.0}
 
     comps = RewardWorker(specs=[("remote", 1.0, {"url": server.base + "/components"})], timeout_s=5.0, strict=False)
-    (res,), _, _ = comps.score([("p", "ab", {})])
+    (res,), *_ = comps.score([("p", "ab", {})])
     assert res.components == {"remote/correct": 1.0, "remote/len": -0.2} and res.reward == pytest.approx(0.8)
 
     bad = RewardWorker(specs=[("remote", 1.0, {"url": server.base + "/reject"})], timeout_s=5.0, strict=False)
-    results, errors, _ = bad.score(items[:3])
+    results, errors, *_ = bad.score(items[:3])
     assert errors == 3 and bad.errors == 3 and all(r.reward == 0.0 for r in results)

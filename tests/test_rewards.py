@@ -81,10 +81,11 @@ def _components(prompt, completion, metadata):
 def test_worker_counts_errors_and_timeouts_and_keeps_going():
     specs = [("math", 1.0, {}), ("tests.test_rewards:_raises", 1.0, {}), ("tests.test_rewards:_hangs", 1.0, {})]
     w = RewardWorker(specs, timeout_s=0.5, strict=False)
-    results, errors, timeouts = w.score([("1+1=", "2", {"answer": "2"}), ("1+1=", "3", {"answer": "2"})])
+    results, errors, timeouts, first = w.score([("1+1=", "2", {"answer": "2"}), ("1+1=", "3", {"answer": "2"})])
     assert [r.reward for r in results] == [1.0, 0.0]
     assert errors == 2 and w.stats()["errors"] == 2 and timeouts == 2 and w.stats()["timeouts"] == 2
     assert results[0].components["tests.test_rewards:_raises"] == 0.0
+    assert first == "reward function 'tests.test_rewards:_raises' raised ValueError: boom"  # what a stopped run says
 
 
 def test_worker_strict_mode_is_fatal():
@@ -95,7 +96,7 @@ def test_worker_strict_mode_is_fatal():
 
 def test_dict_rewards_are_components_and_weights_apply():
     w = RewardWorker([("tests.test_rewards:_components", 2.0, {})], timeout_s=1, strict=False)
-    (r,), _, _ = w.score([("p", "c", {})])
+    (r,), *_ = w.score([("p", "c", {})])
     assert r.components == {"tests.test_rewards:_components/a": 1.0, "tests.test_rewards:_components/b": 0.5}
     assert r.reward == pytest.approx(3.0)
 
@@ -121,5 +122,5 @@ def test_format_length_choice_builtins():
 
 def test_params_are_bound():
     w = RewardWorker([("length", 1.0, {"max_len": 4, "cache": 2})], timeout_s=1, strict=False)
-    (r,), errors, _ = w.score([("p", "12345", {})])
+    (r,), errors, *_ = w.score([("p", "12345", {})])
     assert errors == 0 and r.reward == -1.0

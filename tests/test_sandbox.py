@@ -218,7 +218,7 @@ def test_kills_do_not_reach_the_caller(target):
         time.sleep(0.1)
         assert victim.poll() is None  # a process of the caller's, reachable by pid outside, survived
         worker = RewardWorker(specs=[("code", 1.0, {})], timeout_s=30, strict=False)
-        (result,), errors, _ = worker.score([("", SUM, {"tests": SUM_TESTS})])
+        (result,), errors, *_ = worker.score([("", SUM, {"tests": SUM_TESTS})])
         assert errors == 0 and result.reward == 1.0
     finally:
         victim.kill()
@@ -236,12 +236,12 @@ def test_reward_worker_scores_a_batch_of_good_and_hostile_programs():
     programs = [SUM, hostile[0], f"```python\n{SUM}```", *hostile[1:], SUM]
     fds = len(os.listdir("/proc/self/fd"))
     start = time.monotonic()
-    results, errors, _ = worker.score([("", p, {"tests": tests}) for p in programs])
+    results, errors, *_ = worker.score([("", p, {"tests": tests}) for p in programs])
     assert [r.reward for r in results] == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     assert errors == 0 and worker.stats()["errors"] == 0
     assert time.monotonic() - start < 30
     assert sandbox_processes() == []
-    (again,), _, _ = worker.score([("", SUM, {"tests": tests})])
+    (again,), *_ = worker.score([("", SUM, {"tests": tests})])
     assert again.reward == 1.0
     assert len(os.listdir("/proc/self/fd")) == fds  # no pipe or lock file leaked into the caller
 

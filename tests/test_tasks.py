@@ -143,7 +143,7 @@ def test_multi_components_through_the_reward_worker():
     worker = RewardWorker([("math", 1.0, {}), ("format", 0.5, {}), ("length", 1.0, {"max_len": 48, "cache": 16})],
                           timeout_s=5.0, strict=True)
     answer = p.metadata["answer"]
-    (good, bare, long_), errors, _ = worker.score([(p.text, f"<think>ok</think> {answer}", p.metadata),
+    (good, bare, long_), errors, *_ = worker.score([(p.text, f"<think>ok</think> {answer}", p.metadata),
                                                 (p.text, answer, p.metadata),
                                                 (p.text, f"<think>{'x' * 40}</think> {answer}", p.metadata)])
     assert errors == 0

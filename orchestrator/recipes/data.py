@@ -50,6 +50,9 @@ def read_jsonl(path: str | Path, what: str) -> list[tuple[int, dict]]:
         text = Path(path).read_text()
     except OSError as e:
         raise DatasetError(f"{what} {path}: cannot read it ({e.strerror})") from e
+    except UnicodeDecodeError as e:
+        line = Path(path).read_bytes()[: e.start].count(b"\n") + 1
+        raise DatasetError(f"{what} {path}:{line}: not UTF-8 text") from None
     rows = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
