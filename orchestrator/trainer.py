@@ -181,7 +181,6 @@ class Trainer:
                     metrics.update({"time/startup_s": self.startup_s,
                                     "time/first_step_s": time.perf_counter() - self.t_config})
                 bad_steps = self._count_bad_step(result, metrics, bad_steps)
-                self._check_reward_errors(step, result, metrics)
                 if save_every and (step + 1) % save_every == 0 and not bad_steps:
                     metrics["time/checkpoint_s"] = self.save_checkpoint(step + 1)
                 self._warn(step, result, bad_steps)
@@ -204,15 +203,14 @@ class Trainer:
             log.warning("step %d: %d reward-function calls raised or timed out and scored 0 (tracebacks in %s)",
                         step, result.reward_errors, self.run_dir / "logs" / "reward-*.log")
 
-    def _check_reward_errors(self, step: int, result: StepResult, metrics: dict) -> None:
+    def _check_reward_errors(self, step: int, batch: Collected) -> None:
         """More than ``reward.max_error_frac`` of a step's reward-function calls failing stops the run with the
-        first failure, rather than training on the zeros they scored."""
-        limit = self.cfg.reward.max_error_frac
-        if result.reward_errors and result.reward_error_frac > limit:
-            self.metrics.log(metrics)
-            raise RewardsFailing(f"step {step}: {result.reward_error_frac:.0%} of the reward-function calls failed "
-                                 f"(reward.max_error_frac={limit}); first: {result.first_reward_error} (tracebacks "
-                                 f"in {self.run_dir / 'logs'}/reward-*.log)")
+        first failure, before any update on the zeros they scored."""
+        limit, frac = self.cfg.reward.max_error_frac, batch.info["reward/error_frac"]
+        if frac > limit:
+            raise RewardsFailing(f"step {step}: {frac:.0%} of the reward-function calls failed (reward.max_error_frac="
+                                 f"{limit}); first: {batch.first_error} (tracebacks in {self.run_dir / 'logs'}/"
+                                 "reward-*.log)")
 
     def _count_bad_step(self, result: StepResult, metrics: dict, bad_steps: int) -> int:
         """A step whose update was skipped for a NaN/Inf gradient is bad; too many in a row stop the run."""
@@ -290,8 +288,7 @@ class Trainer:
             out["process/steps_per_sample"] = float(present.sum(1).float().mean())
         out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
         out["throughput/samples_per_s"] = len(scored) / out["time/step_s"]
-        return StepResult(out, update.skipped, collected.reward_errors, collected.info["reward/error_frac"],
-                          collected.first_error)
+        return StepResult(out, update.skipped, collected.reward_errors)
 
     def rollout_batch(self, step: int, timer: PhaseTimer) -> Collected:
         """The step's scored groups. ``sync``: generated now. ``one_step_off``: the batch generated during the
@@ -403,7 +400,9 @@ class Trainer:
                 **({"reward/judge_errors": judge_errors} if self.judge else {})}
         if cfg.env.name:
             info["env/dropped_groups"] = drop_errored_groups(groups) if cfg.env.errored == "drop_group" else 0
-        return Collected([x for grp in groups for x in grp], errors, info, self.fleet.rewards.first_error)
+        out = Collected([x for grp in groups for x in grp], errors, info, self.fleet.rewards.first_error)
+        self._check_reward_errors(step, out)
+        return out
 
     def learn(self, batch: TrainBatch) -> Update:
         """Actor update, and the critic's beside it (both groups run concurrently)."""
@@ -550,8 +549,6 @@ class StepResult:
     metrics: dict
     skipped_update: bool = False
     reward_errors: int = 0
-    reward_error_frac: float = 0.0  # of the step's reward-function calls
-    first_reward_error: str | None = None
 
 
 @dataclasses.dataclass

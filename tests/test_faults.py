@@ -119,3 +119,33 @@ def test_a_failing_actor_is_named_on_the_console_with_its_log(tmp_path):
     assert "this reward function always fails" in proc.stderr and "Traceback" not in proc.stderr
     assert "ValueError: this reward function always fails" in log.read_text()  # the traceback is in its log
     assert f"driver log: {tmp_path / 'logs' / 'driver.log'}" in proc.stderr
+
+
+def broken_in_the_actors(prompt, completion, metadata):
+    """Returns a number for the load-time check's sample (the reference answer), then fails on what the policy
+    writes: the case only the run-time threshold catches."""
+    if completion == metadata["answer"]:
+        return 1.0
+    raise KeyError("tests")
+
+
+@pytest.mark.e2e
+def test_a_run_whose_reward_calls_fail_stops_with_the_first_failure(tmp_path):
+    """Issue 43: more than reward.max_error_frac of a step's reward calls failing stops the run (exit 1) with the
+    function's error, instead of training to the end on zeros."""
+    proc = train(tmp_path, "trainer.total_steps=3", "trainer.eval_every=0", "rollout.num_workers=1",
+                 "learner.num_ranks=1", "learner.zero_stage=0",
+                 "reward.functions=[{name: 'tests.test_faults:broken_in_the_actors'}]")
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    assert "of the reward-function calls failed (reward.max_error_frac=0.5); first: reward function " \
+           "'tests.test_faults:broken_in_the_actors' raised KeyError: 'tests'" in proc.stderr, proc.stderr
+    metrics = tmp_path / "metrics.jsonl"  # stopped before the first update: no step row, no final policy
+    assert not (metrics.exists() and metrics.read_text().strip()) and not (tmp_path / "final").exists()
+
+
+@pytest.mark.e2e
+def test_gpus_the_cluster_does_not_have_are_refused_before_anything_starts(tmp_path):
+    proc = train(tmp_path / "run", "learner.num_gpus=1", "rollout.num_gpus=1")
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+    assert "the run asks for 4 GPU (learner 2, rollout 2); the cluster has 0" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()

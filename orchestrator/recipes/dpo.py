@@ -95,7 +95,7 @@ class DPOTrainer(Trainer):
             out["dpo/pairs"] = 0
         out = {**out, **timer.metrics()}
         out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
-        return StepResult(out, skipped, reward_errors, collected.info["reward/error_frac"], collected.first_error)
+        return StepResult(out, skipped, reward_errors)
 
     def _update(self, pairs: list[tuple[Example, Example]], timer: PhaseTimer,
                 preferences: list[float] | None = None) -> StepResult:

@@ -81,7 +81,7 @@ class RFTTrainer(Trainer):
                  100 * out["rft/kept_fraction"], out["train/accuracy"])
         out.update(timer.metrics())
         out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
-        return StepResult(out, skipped, reward_errors, collected.info["reward/error_frac"], collected.first_error)
+        return StepResult(out, skipped, reward_errors)
 
     def summary(self) -> dict:
         return {**super().summary(), "algorithm": "rft", "rounds": self.cfg.rft.rounds}
