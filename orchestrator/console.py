@@ -12,6 +12,7 @@ An actor that fails is named in the error the user sees, with the path of its lo
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -68,13 +69,23 @@ def describe_failure(error: BaseException) -> str | None:
     return None
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RAISED = re.compile(r"^\s*[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b[^:]*:")
+
+
 def error_summary(error: BaseException) -> str:
-    """The exception an actor raised (for a Ray task error, its cause), on one line."""
+    """The exception an actor raised (for a Ray task error, its cause), on one line, without terminal colour
+    codes. An actor that died in its constructor surfaces as a generic first line: the exception at the end of its
+    traceback is added as the cause."""
     cause = getattr(error, "cause", None)
     if isinstance(cause, BaseException):  # RayTaskError: the exception the actor raised
-        return f"{type(cause).__name__}: {str(cause).strip().splitlines()[0][:300] if str(cause).strip() else ''}"
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}"
+        text = _ANSI.sub("", str(cause)).strip()
+        return f"{type(cause).__name__}: {text.splitlines()[0][:300] if text else ''}"
+    lines = _ANSI.sub("", str(error)).strip().splitlines()
+    first = lines[0][:300] if lines else ""
+    raised = [line.strip() for line in lines[1:] if _RAISED.match(line)]
+    detail = f" (cause: {raised[-1][:300]})" if raised else ""
+    return f"{type(error).__name__}: {first}{detail}"
 
 
 class _ConsoleHandler(logging.Handler):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -290,6 +291,8 @@ def check_resources(cfg: FleetConfig, roles: Roles) -> None:
 
     from orchestrator.config import ConfigError
 
+    if not (cfg.run.ray_address or os.environ.get("RAY_ADDRESS")):
+        check_this_machine(cfg, roles)
     have = ray.cluster_resources()
     for name, by_role in resource_demand(cfg, roles).items():
         need = sum(by_role.values())
@@ -297,6 +300,25 @@ def check_resources(cfg: FleetConfig, roles: Roles) -> None:
             who = ", ".join(f"{role} {v:g}" for role, v in by_role.items())
             raise ConfigError(f"the run asks for {need:g} {name} ({who}); the cluster has {have.get(name, 0.0):g} "
                               f"(set learner.num_gpus / rollout.num_gpus / the roles' resources to what it has)")
+
+
+def check_this_machine(cfg: FleetConfig, roles: Roles) -> None:
+    """A private local Ray instance runs every actor here: more learner ranks than cores, or CPU engines' KV caches
+    larger than the free memory, are refused (a ConfigError naming the key) rather than found out minutes later."""
+    import psutil
+
+    from orchestrator.config import ConfigError
+
+    cores = os.cpu_count() or 1
+    if roles.learner and cfg.learner.num_ranks > cores:
+        raise ConfigError(f"learner.num_ranks={cfg.learner.num_ranks}: this machine has {cores} cores, and each rank "
+                          "is a process of its own; use at most that many (or a cluster, run.ray_address)")
+    r = cfg.rollout
+    if roles.rollout and not r.num_gpus:
+        need, free = r.kv_cache_gib * r.num_workers, psutil.virtual_memory().available / 2**30
+        if need > free:
+            raise ConfigError(f"rollout.kv_cache_gib={r.kv_cache_gib} x rollout.num_workers={r.num_workers} = "
+                              f"{need:g} GiB of KV cache; this machine has {free:.1f} GiB free")
 
 
 _ATTR = {"learner": "learner", "critic": "critic", "env": "envs", "rollout": "rollouts", "feedback": "feedback",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,7 +24,7 @@ from orchestrator import checkpoint as ckpt
 from orchestrator.config import FleetConfig, dump_config
 from orchestrator.console import Console, banner, sample_line, slow_bf16_warning
 from orchestrator.episodes import drop_errored_groups, episode_metrics, eval_episode_metrics
-from orchestrator.fleet import Fleet, Roles, check_resources, training_roles
+from orchestrator.fleet import Fleet, Roles, check_resources, check_this_machine, training_roles
 from orchestrator.launch import init_ray, load_tokenizer, make_task
 from orchestrator.metrics import MetricsLogger, PhaseTimer
 from orchestrator.pools import LearnerDied, Update, gather_update
@@ -632,6 +633,8 @@ def run_training(cfg: FleetConfig, resume: str | None = None, loop: type | None 
     cfg = loop.prepare(cfg)
     if resume:
         ckpt.resolve(resume, Path(cfg.run.dir))  # a broken checkpoint is named before anything is written
+    if fleet is None and not (cfg.run.ray_address or os.environ.get("RAY_ADDRESS")):
+        check_this_machine(cfg, loop.roles(cfg))  # a private instance: cores and memory, before Ray starts
     dashboard = init_ray(cfg)
     if fleet is None:
         check_resources(cfg, loop.roles(cfg))  # GPUs or resources the cluster lacks: refused before the run dir

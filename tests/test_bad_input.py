@@ -135,3 +135,43 @@ def test_a_dataset_line_that_is_not_utf8_is_named(capsys, tmp_path):
     data.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\xff", "answer": "3"}\n')
     code, err = _run(capsys, "train", f"data.path={data}", "data.prompt_field=prompt", f"run.dir={tmp_path}/run")
     assert code == 2 and f"{data}:2: not UTF-8" in err and "Traceback" not in err, err
+
+
+def test_an_actor_that_died_starting_is_summarized_with_its_cause_and_no_colour_codes():
+    """What the console prints for an actor whose constructor raised (Ray's first line is generic)."""
+    from orchestrator.console import error_summary
+
+    class ActorDiedError(Exception):
+        pass
+
+    text = ("The actor died because of an error raised in its creation task, \x1b[36mray::reward-0:RewardWorker."
+            "__init__()\x1b[39m (pid=7, ip=127.0.0.1)\n  File 'x.py', line 3, in f\n    import nope\n"
+            "ModuleNotFoundError: No module named 'nope'")
+    out = error_summary(ActorDiedError(text))
+    assert out == ("ActorDiedError: The actor died because of an error raised in its creation task, ray::reward-0:"
+                   "RewardWorker.__init__() (pid=7, ip=127.0.0.1) (cause: ModuleNotFoundError: No module named "
+                   "'nope')"), out
+
+
+@pytest.mark.parametrize("override,words", [
+    ("rollout.kv_cache_gib=1000", ["rollout.kv_cache_gib=1000.0", "GiB free"]),
+    ("learner.num_ranks=64", ["learner.num_ranks=64", "cores"]),
+])
+def test_a_private_instance_that_cannot_fit_this_machine_is_refused_before_ray(capsys, monkeypatch, tmp_path,
+                                                                                 override, words):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    import ray
+
+    code, err = _run(capsys, "train", override, "data.prompts_per_step=64", f"run.dir={tmp_path}/run")
+    assert code == 2 and all(w in err for w in words) and not ray.is_initialized(), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_stage_that_starts_from_a_stage_that_does_not_exist_is_refused(capsys, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"base: {{run: {{dir: {tmp_path}/run}}}}\nstages:\n"
+                      "  - {name: a, kind: rl}\n"
+                      f"  - {{name: b, kind: rl, overrides: {{model.path: {tmp_path}/run/05-nope/final}}}}\n")
+    code, err = _run(capsys, "config", "show", "-c", str(recipe))
+    assert code == 2 and "stage 2 (b): model.path" in err and "not an earlier stage's final" in err, err
+    assert "01-a/final" in err and not (tmp_path / "run").exists()

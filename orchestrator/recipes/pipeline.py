@@ -227,11 +227,26 @@ def check_inputs(stages: list[Stage]) -> None:
                 check_teacher(st.cfg)
         except (ConfigError, DatasetError) as e:
             raise ConfigError(f"{where}: {e}") from None
+    check_model_references(stages)
     first = stages[0].cfg.model.path
     from orchestrator.config import EMBEDDED_MODELS
 
     if first not in EMBEDDED_MODELS and not (Path(first) / "config.json").exists():
         raise ConfigError(f"stage 1 ({stages[0].name}): model.path {first!r} is not a model directory")
+
+
+def check_model_references(stages: list[Stage]) -> None:
+    """A stage whose ``model.path`` points into this pipeline's run dir must name an earlier stage's ``final``."""
+    run_dir = stages[0].dir.parent.resolve()
+    for i, st in enumerate(stages):
+        path = Path(st.cfg.model.path).resolve()
+        if run_dir not in path.parents:
+            continue
+        earlier = {(s.dir.resolve() / "final") for s in stages[:i]}
+        if path not in earlier:
+            names = [f"{s.dir.name}/final" for s in stages[:i]] or "none (it is the first stage)"
+            raise ConfigError(f"stage {st.index} ({st.name}): model.path {st.cfg.model.path} is not an earlier "
+                              f"stage's final policy; earlier: {names}")
 
 
 class Summary:
