@@ -406,6 +406,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, DatasetError) as e:
         print(f"fleetrl: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from orchestrator.pools import StartupTimeout
+
+        if not isinstance(e, StartupTimeout):
+            raise
+        print(f"fleetrl: {e}", file=sys.stderr)
+        return 1
 
 
 def _export(args) -> int:

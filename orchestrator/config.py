@@ -358,6 +358,9 @@ class RunConfig(Section):
     """Run directory: resolved config, metrics.jsonl, TensorBoard events, plot, final policy."""
     ray_address: str | None = None
     """Ray cluster to join; None uses RAY_ADDRESS or starts a local one."""
+    startup_timeout_s: float = Field(900.0, gt=0.0)
+    """How long the actors may take to be placed and started; past it the run stops, naming the actors still
+    waiting and the resources the cluster has free (an autoscaling cluster may need longer)."""
     plot_every: int = Field(10, ge=1)
     """Rewrite the progress plot every this many steps."""
     dump_rollouts: bool = False

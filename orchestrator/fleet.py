@@ -202,7 +202,7 @@ class Fleet:
         """Block until every actor has started (:func:`orchestrator.pools.wait_ready`)."""
         from orchestrator.pools import wait_ready
 
-        wait_ready(*self.groups().values())
+        wait_ready(*self.groups().values(), timeout_s=self.cfg.run.startup_timeout_s)
 
     def workers(self) -> dict[str, list]:
         """Every actor handle by role (a learner group's ranks, a pool's workers)."""

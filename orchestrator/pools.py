@@ -395,7 +395,10 @@ class LearnerGroup:
         self.placement = placement_key(cfg)
         bundle = {"CPU": lc.num_cpus, **({"GPU": lc.num_gpus} if lc.num_gpus else {}), **lc.resources}
         self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy="PACK")
-        ray.get(self.pg.ready())
+        if not ray.wait([self.pg.ready()], timeout=cfg.run.startup_timeout_s)[0]:
+            raise StartupTimeout(f"{prefix} placement group ({self.world} x {bundle}) not placed after "
+                                 f"{cfg.run.startup_timeout_s:g} s (run.startup_timeout_s); the cluster has free "
+                                 f"{_free()}")
         master_addr = self._bundle0_ip()
         port = lc.master_port or _free_port()
         spec = learner_spec(cfg, role)
@@ -491,13 +494,19 @@ class LearnerGroup:
         self._get([w.load_checkpoint.remote(path) for w in self.ranks])
 
 
-def wait_ready(*groups) -> None:
+def wait_ready(*groups, timeout_s: float | None = None) -> None:
     """Wait until every actor of ``groups`` (pools, learner groups; None is skipped) has started. Groups are
     created without waiting, so the learner ranks, engines, reward and env actors start side by side and a run
-    waits once, for the slowest; an actor whose constructor failed raises here, naming it and its log."""
-    pending = [ref for g in groups if g is not None for ref in g.ready()]
+    waits once, for the slowest; an actor whose constructor failed raises here, naming it and its log. Past
+    ``timeout_s`` a StartupTimeout names the actors still starting and what the cluster has free."""
+    refs = {ref: name for g in groups if g is not None for ref, name in zip(g.ready(), _names(g))}
+    pending, deadline = list(refs), time.monotonic() + (timeout_s or float("inf"))
     while pending:  # in completion order: the first actor that fails is reported without waiting for the rest
-        done, pending = ray.wait(pending, num_returns=1)
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            waiting = sorted(refs[r] for r in pending)
+            raise StartupTimeout(f"{len(waiting)} actor(s) not started after {timeout_s:g} s (run.startup_timeout_s):"
+                                 f" {', '.join(waiting[:8])}; the cluster has free {_free()}")
         try:
             ray.get(done[0])
         except ray.exceptions.RayError as e:
@@ -559,6 +568,22 @@ def learner_temperature(cfg: FleetConfig) -> float:
     """The temperature the learner divides logits by: the sampling one for policy gradients (their ratio is to
     the policy that sampled), 1 for SFT, DPO and PRM training (the model's own likelihoods)."""
     return cfg.rollout.temperature if cfg.algorithm.sampling_temperature_logprobs else 1.0
+
+
+def _names(group) -> list[str]:
+    workers = getattr(group, "ranks", None) or group.workers
+    return [actor_label(w) or f"{getattr(group, 'role', 'actor')}-{i}" for i, w in enumerate(workers)] + \
+        [f"{getattr(group, 'role', 'actor')} (more)"] * 64  # a pool's ready() may add its sub-pools' actors
+
+
+def _free() -> str:
+    free = ray.available_resources()
+    return ", ".join(f"{k} {v:g}" for k, v in sorted(free.items()) if not k.startswith(("node:", "memory",
+                                                                                         "object_store")))
+
+
+class StartupTimeout(RuntimeError):
+    """The actors were not placed and started within ``run.startup_timeout_s``."""
 
 
 class LearnerDied(RuntimeError):

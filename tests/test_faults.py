@@ -149,3 +149,12 @@ def test_gpus_the_cluster_does_not_have_are_refused_before_anything_starts(tmp_p
     assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
     assert "the run asks for 4 GPU (learner 2, rollout 2); the cluster has 0" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.e2e
+def test_a_start_up_past_its_timeout_names_what_it_waits_for(tmp_path):
+    proc = train(tmp_path, "run.startup_timeout_s=1", "rollout.num_workers=1", "learner.num_ranks=1",
+                 "learner.zero_stage=0")
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    assert "not started after 1 s (run.startup_timeout_s)" in proc.stderr and "the cluster has free" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
