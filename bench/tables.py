@@ -116,6 +116,32 @@ def startup(result: dict) -> str:
             f"named.\n\n{table}\n")
 
 
+def startup_fleet(result: dict) -> str:
+    """docs section 9: supervised stages without engines and the R1 pipeline on one fleet, before and after."""
+    before, after = result.get("before", {}), result["after"]
+    singles, pipeline = [], []
+    for case, a in after.items():
+        if not isinstance(a, dict) or "runs" not in a:
+            continue
+        b = before.get(case, {})
+        if case == "r1_pipeline":
+            for key, label in (("startup_sum_s", "stages' start-up, summed"), ("wall_s", "wall time")):
+                pipeline.append([label, b.get(key, ""), a[key], f"{a[key] / b[key]:.2f}" if b else ""])
+            stages = ["per stage, run 1: " + " / ".join(f"{v:g}" for v in side["runs"][0]["stage_startup_s"])
+                      for side in (b, a) if side]
+            pipeline.append(["stage start-up s (each stage)", *stages, ""])
+            continue
+        singles.append([case, len(a["runs"]), b.get("actors_up_s", ""), a["actors_up_s"],
+                        f"{a['actors_up_s'] / b['actors_up_s']:.2f}" if b else "", b.get("exit_s", ""), a["exit_s"],
+                        f"{a['exit_s'] / b['exit_s']:.2f}" if b else ""])
+    one = markdown_table(["stage (one step, no evals)", "runs (median of)", "actors up s, before", "after",
+                          "after / before", "launch to exit s, before", "after", "after / before"], singles)
+    two = markdown_table(["`configs/r1.yaml`, 5 stages, 2 steps each (median of 3)", "before", "after",
+                          "after / before"], pipeline)
+    return (f"{provenance(result['meta'])} Before: commit `{before.get('commit', '?')}`; after: commit "
+            f"`{result.get('after_commit', 'named')}`.\n\n{one}\n\n{two}\n")
+
+
 def startup_profile(result: dict) -> str:
     """docs section 9: where the default config's start-up goes."""
     phases = markdown_table(["phase (driver)", "s"], [[k, v] for k, v in result["phases_s"].items()])
@@ -203,6 +229,7 @@ TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "startup": ("startup.json", startup),
     "startup_models": ("startup_models.json", startup),
     "startup_profile": ("startup_profile.json", startup_profile),
+    "startup_fleet": ("startup_fleet.json", startup_fleet),
     "learner_memory": ("learner_memory.json", learner_memory),
     "learner_overhead": ("learner_overhead.json", learner_overhead),
     "smollm2": ("smollm2.json", smollm2),

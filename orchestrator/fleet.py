@@ -147,7 +147,7 @@ class Fleet:
         before, after = fit_keys(old), fit_keys(cfg)
         kept = {r for r in roles.names() if r != "controller" and getattr(self, _ATTR[r]) is not None
                 and before[r] == after[r]}
-        if "rollout" in kept and not (roles.learner and "learner" in kept or old.model.path == cfg.model.path):
+        if "rollout" in kept and not (roles.learner or old.model.path == cfg.model.path):
             kept.discard("rollout")  # no learner to push the new model from, and another model
         if judge is not None or (self.rewards is not None and self.rewards.judge is not None):
             kept.discard("reward")  # the judge reward holds engines of the run that made it

@@ -31,8 +31,9 @@ def check_teacher(cfg: FleetConfig) -> Path:
     return Path(teacher)
 
 
-def teacher_data(cfg: FleetConfig, out: Path) -> dict:
-    """Generate with the teacher, keep the verified samples, write them as SFT rows; returns the counts."""
+def teacher_data(cfg: FleetConfig, out: Path, fleet=None) -> dict:
+    """Generate with the teacher, keep the verified samples, write them as SFT rows; returns the counts. ``fleet``
+    (a pipeline's): the teacher's engines run on it (it serves the student next), else on a fleet of their own."""
     from orchestrator.fleet import Fleet, Roles
     from orchestrator.launch import make_task
     from orchestrator.recipes.data import write_jsonl
@@ -45,10 +46,15 @@ def teacher_data(cfg: FleetConfig, out: Path) -> dict:
     task = make_task(tcfg)
     prompts = task.train_batch(0, cfg.distill.prompts)
     text = {p.uid: p.text for p in prompts}
-    with Fleet.start(tcfg, Roles(rollout=True, reward=True)) as teacher:  # stopped before the student's starts
+    roles = Roles(rollout=True, reward=True)
+    teacher = fleet.serve(tcfg, roles) if fleet is not None else Fleet.start(tcfg, roles)
+    try:
         samples = teacher.rollouts.generate(prompts, cfg.rollout.group_size, cfg.rollout.temperature,
                                             seed=cfg.rollout.seed)
         scored, errors = teacher.rewards.score(samples)
+    finally:
+        if fleet is None:  # stopped before the student's starts
+            teacher.stop()
     correct = verdicts(task.verifier_fn, [(s.prompt_text, s.completion_text, s.metadata) for s in samples])
     right = {id(x) for x, ok in zip(scored, correct) if ok}
     kept = [x for x in keep_verified(scored, cfg.rft.threshold) if id(x) in right]
@@ -73,7 +79,7 @@ def run_distill(cfg: FleetConfig, resume: str | None = None, fleet=None) -> dict
     report = json.loads(report_path.read_text()) if report_path.exists() and data.exists() else None
     if report is None:
         init_ray(cfg)
-        report = teacher_data(cfg, data)
+        report = teacher_data(cfg, data, fleet)
         report_path.write_text(json.dumps(report, indent=1))
         log.info("distill: teacher accuracy %.3f, kept %d samples (%.1f%%)", report["teacher_accuracy"],
                  report["kept"], 100 * report["kept_fraction"])

@@ -298,6 +298,8 @@ def run_stage(st: Stage, summary: Summary, row: dict, fleet) -> None:
         data = st.dir / f"{kind}.jsonl"
         if not data.exists():
             config.write_text(dump_config(cfg))
+            if kind in ("cai_revisions", "ai_preferences"):
+                fleet.stop()  # `fleetrl cai` starts its own actors: this process's must not hold the cores
             write_stage_data(kind, cfg, n, data, config)
         tree = cfg.model_dump(mode="json")
         if kind == "ai_preferences":
