@@ -32,9 +32,8 @@ SLOW = Tool("calculator", slow_calculator, "a calculator that takes 0.5 s")
 def measure(s: dict, tools: str) -> dict:
     import ray
 
-    from orchestrator.cli import ensure_model
     from orchestrator.config import load_config
-    from orchestrator.launch import make_task, max_model_len
+    from orchestrator.launch import ensure_model, make_task, max_model_len
     from orchestrator.pools import RolloutPool, env_spec
 
     cfg = load_config("configs/tool_calc.yaml", ["rollout.num_workers=2", f"env.tools=[{tools}]",

@@ -3,11 +3,12 @@ Ray (joined or started with enough CPUs), the task, the driver's tokenizer, the 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
 
-from orchestrator.config import FleetConfig
+from orchestrator.config import EMBEDDED_MODEL_PATH, EMBEDDED_MODELS, ConfigError, FleetConfig
 from rewards.tasks import make_task_from_config
 
 log = logging.getLogger("fleetrl")
@@ -79,3 +80,44 @@ def _cpus_needed(cfg: FleetConfig) -> float:
             + (rm.num_workers * rm.num_cpus if rm.path else 0)
             + (2 * cfg.prm.num_workers * cfg.prm.num_cpus if cfg.prm.path or cfg.prm.orm_path else 0)
             + (cfg.rollout.num_cpus if cfg.judge_spec and cfg.cai.judge == "model" else 0))
+
+
+KIND_ARGS = {"arith": {"kind": "arith"}, "think": {"kind": "think"},
+             "calc": {"kind": "calc", "target_accuracy": None, "max_steps": 400, "batch_size": 128},
+             "chain": {"kind": "chain", "target_accuracy": 0.3, "max_steps": 3000, "lr": 2e-3, "batch_size": 128}}
+"""How each embedded model is warm-started: the default to a target accuracy, the calculator model for a fixed
+number of steps (its demonstrations teach the tool format; accuracy without the tool stays near 0), the step
+model to 30% whole-solution accuracy (the middle of the 20-60% a process-supervision study wants)."""
+
+
+def check_model_dir(path: Path, key: str) -> None:
+    """A model directory a run can load: config.json parses and names a causal LM, and weights are there (a
+    ConfigError naming ``key``, the file and what is wrong)."""
+    try:
+        archs = json.loads((path / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{key}: {path / 'config.json'} is not a readable JSON config ({type(e).__name__})") \
+            from None
+    if archs and not any(a.endswith("ForCausalLM") for a in archs):
+        raise ConfigError(f"{key}: {path} is a {archs[0]}, not a causal LM (its architectures must end in "
+                          "ForCausalLM, e.g. Qwen2ForCausalLM)")
+    weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin"), *path.glob("*.safetensors.index.json")]
+    if not weights:
+        raise ConfigError(f"{key}: {path} has a config.json but no weights (*.safetensors or pytorch_model*.bin)")
+
+
+def ensure_model(cfg: FleetConfig) -> None:
+    """Build the embedded model when it is the configured one and missing; fail clearly for other paths."""
+    path = Path(cfg.model.path)
+    if (path / "config.json").exists():
+        check_model_dir(path, "model.path")
+        return
+    if cfg.model.path in EMBEDDED_MODELS:
+        from orchestrator.embedded_model import init_model
+
+        kind = EMBEDDED_MODELS[cfg.model.path]
+        print(f"embedded model missing: building it in {path} (fleetrl init-model --kind {kind})", flush=True)
+        init_model(path, seed=cfg.model.init_seed, **KIND_ARGS[kind])
+        return
+    raise ConfigError(f"model.path: {cfg.model.path!r} is not a model directory (no config.json there); "
+                      f"give a local HF model directory, or leave the default {EMBEDDED_MODEL_PATH!r}")

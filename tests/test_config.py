@@ -103,7 +103,7 @@ def test_cli_missing_model_path_is_a_clear_error(tmp_path):
     (["learner.logprob_pass=always"], True),
 ])
 def test_separate_logprob_pass_only_when_the_batch_is_used_more_than_once(overrides, separate):
-    from orchestrator.cli import ensure_model
+    from orchestrator.launch import ensure_model
     from orchestrator.trainer import Trainer
 
     cfg = load_config(None, ["run.dir=/tmp/fleetrl-unused", *overrides])

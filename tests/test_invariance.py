@@ -115,7 +115,7 @@ def update(tmp_path_factory):
     update on the fixed batch; each configuration runs once per module, all on one Ray instance."""
     import ray
 
-    from orchestrator.cli import ensure_model
+    from orchestrator.launch import ensure_model
     from orchestrator.pools import LearnerGroup, gather_metrics
 
     env = {"RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", **shared_ray_env()}

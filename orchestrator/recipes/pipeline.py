@@ -333,7 +333,7 @@ def run_stage(st: Stage, summary: Summary, row: dict, fleet) -> None:
 
 def run_kind(kind: str, cfg: FleetConfig, resume: str | None, fleet) -> None:
     """A stage's training, as its command (:data:`COMMANDS`) runs it, on ``fleet``."""
-    from orchestrator.cli import ensure_model
+    from orchestrator.launch import ensure_model
     from rewards.reward_model import ensure_reward_model
 
     ensure_model(cfg)
