@@ -100,3 +100,20 @@ def test_benchmark_tables_are_generated_from_their_results(tmp_path):
     fresh = render_tables(stale, tmp_path)
     assert fresh != stale and "Test CPU (AVX2)" in fresh and "commit `abc`" in fresh and "| 2 |" in fresh
     assert render_tables(fresh, tmp_path) == fresh
+
+
+def test_every_result_a_generated_table_reads_is_committed():
+    """bench/results/ is git-ignored, so a new result must be added with `git add -f`; a clean clone (CI) would
+    render "No result yet" (session 18's CI failed so)."""
+    import re
+    import subprocess
+
+    from bench.tables import TABLES
+
+    tracked = set(subprocess.run(["git", "ls-files", "bench/results"], cwd=ROOT, capture_output=True, text=True,
+                                 check=True).stdout.split())
+    if not tracked:  # not a git checkout (an installed copy): nothing to compare
+        return
+    for doc in (ROOT / "docs" / "BENCHMARKS.md", ROOT / "README.md"):
+        for name in re.findall(r"<!-- bench:(\w+) -->", doc.read_text()):
+            assert f"bench/results/{TABLES[name][0]}" in tracked, f"git add -f bench/results/{TABLES[name][0]}"
