@@ -145,7 +145,10 @@ def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("smollm2-tokenizer")
     gguf = packaged_gguf("smollm2-135m-instruct")
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
-    AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config.architectures = ["LlamaForCausalLM"]  # what the converted model's config says (the GGUF has no such key)
+    config.save_pretrained(out)
+    (out / "model.safetensors").write_bytes(b"")  # a weights file that fails loudly if anything tries to load it
     return out
 
 

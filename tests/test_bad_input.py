@@ -25,6 +25,18 @@ def good_reward(prompt, completion, metadata, bonus=0.0):
     return 1.0 + bonus
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _close_the_verification_pool():
+    """The load-time reward check calls user functions in this process's bounded pool: close it after these
+    tests, so later tests see no worker process of ours."""
+    yield
+    import rewards.bounded as bounded
+
+    if bounded._shared is not None:
+        bounded._shared.close()
+        bounded._shared = None
+
+
 def _run(capsys, *argv: str) -> tuple[int, str]:
     code = main(list(argv))
     return code, capsys.readouterr().err.strip()
