@@ -97,7 +97,7 @@ def check_checkpoint(path: Path) -> Path:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise FileNotFoundError(f"checkpoint {path}: {state.name} is missing or broken ({type(e).__name__}: "
                                 f"{str(e)[:120]}); resume from another checkpoint") from None
-    if not (path / "learner").is_dir() or not any((path / "learner").iterdir()):
+    if not (path / "learner").is_dir():
         raise FileNotFoundError(f"checkpoint {path}: no learner state (learner/); resume from another checkpoint")
     return path
 
