@@ -635,11 +635,12 @@ def run_training(cfg: FleetConfig, resume: str | None = None, loop: type | None 
         ckpt.resolve(resume, Path(cfg.run.dir))  # a broken checkpoint is named before anything is written
     if fleet is None and not (cfg.run.ray_address or os.environ.get("RAY_ADDRESS")):
         check_this_machine(cfg, loop.roles(cfg))  # a private instance: cores and memory, before Ray starts
-    dashboard = init_ray(cfg)
-    if fleet is None:
-        check_resources(cfg, loop.roles(cfg))  # GPUs or resources the cluster lacks: refused before the run dir
     console = Console(verbose=cfg.run.verbose)
     console.setup_logging(Path(cfg.run.dir))
-    trainer = loop(cfg, resume, console)  # checks --resume and data before any actor
-    trainer.dashboard = dashboard
+    # the loop (its imports, task and tokenizer) before Ray: a Ray job's driver loses its working directory once it
+    # joins the cluster, and transformers and torch read it when they are first imported
+    trainer = loop(cfg, resume, console)
+    trainer.dashboard = init_ray(cfg)
+    if fleet is None:
+        check_resources(cfg, loop.roles(cfg))  # GPUs or resources the cluster lacks: refused before any actor
     return trainer.run(fleet)
