@@ -179,61 +179,62 @@ def _data_command(args) -> int:
     return 0
 
 
-def _config_command(args, cfg: FleetConfig) -> int:
-    """The commands that take a run config (``-c``): evals and data from the engines, then the training ones."""
+def _config_command(args, cfg: FleetConfig, fleet) -> int:
+    """The commands that take a run config (``-c``): evals and data from the engines, then the training ones; on
+    ``fleet`` when given (see :func:`main`)."""
     if args.command == "eval":
-        return _eval(args, cfg)
+        return _eval(args, cfg, fleet)
     if args.command == "cai":
         from orchestrator.recipes.cai import prefer, revise
 
-        print(json.dumps((revise if args.action == "revise" else prefer)(cfg, args.n, args.out)))
+        print(json.dumps((revise if args.action == "revise" else prefer)(cfg, args.n, args.out, fleet=fleet)))
         return 0
     if args.command == "prm" and args.action == "label":
         from orchestrator.recipes.prm import run_label
 
-        run_label(cfg, args.out or str(Path(cfg.run.dir) / "prm_labels.jsonl"))
+        run_label(cfg, args.out or str(Path(cfg.run.dir) / "prm_labels.jsonl"), fleet=fleet)
         return 0
-    return _training(lambda: _run_training_command(args, cfg), cfg)
+    return _training(lambda: _run_training_command(args, cfg, fleet), cfg)
 
 
-def _eval(args, cfg: FleetConfig) -> int:
+def _eval(args, cfg: FleetConfig, fleet) -> int:
     from orchestrator.evaluate import parse_ns, run_eval
 
     if args.search:
         from orchestrator.search.driver import parse_methods, run_search
 
-        run_search(cfg, args.checkpoint, parse_methods(args.search), parse_ns(args.budgets), args.out)
+        run_search(cfg, args.checkpoint, parse_methods(args.search), parse_ns(args.budgets), args.out, fleet=fleet)
         return 0
     if not args.checkpoint:
         raise ConfigError("fleetrl eval: give --checkpoint (a run's final/, a checkpoint dir or an HF model dir)")
-    run_eval(cfg, args.checkpoint, parse_ns(args.n), args.select, args.out)
+    run_eval(cfg, args.checkpoint, parse_ns(args.n), args.select, args.out, fleet=fleet)
     return 0
 
 
-def _run_training_command(args, cfg: FleetConfig) -> None:
+def _run_training_command(args, cfg: FleetConfig, fleet) -> None:
     """`train`, `prm train`, `rft`, `sft`, `distill`."""
     if args.command == "prm":
         from orchestrator.recipes.prm import run_prm_train
 
         if args.labels:
             cfg.prm.labels = args.labels
-        run_prm_train(cfg, args.resume)
+        run_prm_train(cfg, args.resume, fleet=fleet)
     elif args.command == "rft":
         from orchestrator.recipes.rft import run_rft
 
-        run_rft(cfg, args.rounds, args.resume)
+        run_rft(cfg, args.rounds, args.resume, fleet=fleet)
     elif args.command == "sft":
         from orchestrator.recipes.sft import run_sft
 
-        run_sft(cfg, args.resume)
+        run_sft(cfg, args.resume, fleet=fleet)
     elif args.command == "distill":
         from orchestrator.recipes.distill import run_distill
 
-        run_distill(cfg, args.resume)
+        run_distill(cfg, args.resume, fleet=fleet)
     else:
         from orchestrator.trainer import run_training
 
-        run_training(cfg, resume=args.resume)
+        run_training(cfg, resume=args.resume, fleet=fleet)
 
 
 def _init_model(args) -> int:
@@ -337,7 +338,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, fleet=None) -> int:
+    """Run one command; its exit status. ``fleet``: an :class:`orchestrator.fleet.Fleet` of this process that
+    the command runs on, kept up afterwards (a process that runs several commands in turn, as a pipeline does)."""
     args = parse_args(argv)
     if args.command != "train":  # a training run sends its log to <run.dir>/logs/driver.log (orchestrator.console)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -362,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         from rewards.reward_model import ensure_reward_model
 
         ensure_reward_model(cfg.reward.model.path, cfg.model.path)
-        return _config_command(args, cfg)
+        return _config_command(args, cfg, fleet)
     except (ConfigError, FileNotFoundError, DatasetError) as e:
         print(f"fleetrl: {e}", file=sys.stderr)
         return 2

@@ -86,9 +86,9 @@ def resolve_model_dir(checkpoint: str) -> Path:
 
 
 def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "reward",
-             out: str | None = None) -> dict:
+             out: str | None = None, fleet=None) -> dict:
     """Generate ``max(ns)`` samples per held-out prompt with the checkpoint, score, summarize; writes the
-    report as JSON (``out``, default ``<run.dir>/eval.json``) and returns it."""
+    report as JSON (``out``, default ``<run.dir>/eval.json``) and returns it. ``fleet``: run on it (kept up)."""
     if select not in SELECTORS:
         raise ConfigError(f"--select {select!r}: choose one of {list(SELECTORS)}")
     if select == "reward_model" and not cfg.reward.model.path:
@@ -103,7 +103,7 @@ def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "re
     prompts, verifier = task.eval_set(cfg.data.eval_size), task.verifier_fn
     init_ray(cfg)
     t0 = time.perf_counter()
-    fleet = Fleet.start(cfg, Roles(rollout=True, reward=True))
+    fleet = Fleet.for_run(fleet, cfg, Roles(rollout=True, reward=True))
     rollouts, rewards = fleet.rollouts, fleet.rewards
     n_max = max(ns)
     what = "tool episodes" if cfg.env.name else "completions"

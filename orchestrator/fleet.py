@@ -83,6 +83,7 @@ class Fleet:
         self.controller = self._controller() if roles.controller else None
         self.weight_sync = None
         self.runs = 0  # the runs this fleet served (serve)
+        self.engine_weights = _engine_weights(cfg, roles)
 
     @classmethod
     def start(cls, cfg: FleetConfig, roles: Roles, judge=None, probe: tuple | None = None) -> Fleet:
@@ -103,6 +104,12 @@ class Fleet:
         fleet.startup_s = time.perf_counter() - fleet.t0
         log.info("fleet up in %.1fs: %s", fleet.startup_s, fleet.describe())
         return fleet
+
+    @classmethod
+    def for_run(cls, fleet: Fleet | None, cfg: FleetConfig, roles: Roles, judge=None,
+                probe: tuple | None = None) -> Fleet:
+        """``fleet`` serving a run of ``cfg`` (:meth:`serve`), or without one a new fleet (:meth:`start`)."""
+        return fleet.serve(cfg, roles, judge, probe) if fleet is not None else cls.start(cfg, roles, judge, probe)
 
     def serve(self, cfg: FleetConfig, roles: Roles, judge=None, probe: tuple | None = None) -> Fleet:
         """This fleet, ready for a run of ``cfg`` with ``roles`` (see the module): kept where the actors fit,
@@ -128,6 +135,8 @@ class Fleet:
         if self.rewards is not None and judge is not None:
             self.rewards.judge_engines = self.feedback or self.rollouts
         self.controller = self._controller() if roles.controller else None
+        if roles.rollout and (roles.learner or "rollout" not in kept):
+            self.engine_weights = _engine_weights(cfg, roles)
         ray.get(loading)
         self.wait()
         self.weight_sync = None
@@ -147,8 +156,9 @@ class Fleet:
         before, after = fit_keys(old), fit_keys(cfg)
         kept = {r for r in roles.names() if r != "controller" and getattr(self, _ATTR[r]) is not None
                 and before[r] == after[r]}
-        if "rollout" in kept and not (roles.learner or old.model.path == cfg.model.path):
-            kept.discard("rollout")  # no learner to push the new model from, and another model
+        kept -= self._dead(kept)  # an actor the last run lost (killed, out of memory) takes its group with it
+        if "rollout" in kept and not (roles.learner or self.engine_weights == cfg.model.path):
+            kept.discard("rollout")  # no learner to push the run's model from, and the engines hold other weights
         if judge is not None or (self.rewards is not None and self.rewards.judge is not None):
             kept.discard("reward")  # the judge reward holds engines of the run that made it
         for role in set(_ATTR) - kept:
@@ -159,6 +169,32 @@ class Fleet:
             if hasattr(group, "restarts"):
                 group.restarts, group.recovery_s = 0, 0.0  # the budget is per run
         return kept
+
+    def _dead(self, roles: set[str], timeout_s: float = 60.0) -> set[str]:
+        """Those of ``roles`` with an actor that does not answer (dead, or busy past ``timeout_s``)."""
+        import ray
+
+        pings = {role: [w.ready.remote() for w in self._handles(role)] for role in roles}
+        dead = set()
+        for role, refs in pings.items():
+            try:
+                ray.get(refs, timeout=timeout_s)
+            except (ray.exceptions.RayError, TimeoutError):
+                log.warning("fleet: a %s actor does not answer; the group is started again", role)
+                dead.add(role)
+        return dead
+
+    def _handles(self, role: str) -> list:
+        """Every actor of ``role``'s group (the reward group's model actors too)."""
+        group = getattr(self, _ATTR[role])
+        if group is None:
+            return []
+        if role == "controller":
+            return [group]
+        handles = list(getattr(group, "ranks", None) or group.workers)
+        if role == "reward" and group.model_pool is not None:
+            handles += group.model_pool.workers
+        return handles
 
     def _log_to(self, cfg: FleetConfig, kept: set[str]) -> None:
         """Every kept actor writes its output under ``<run.dir>/logs`` from now on."""
@@ -178,13 +214,7 @@ class Fleet:
         group = getattr(self, _ATTR[role])
         if group is None:
             return
-        if role == "controller":
-            handles = [group]
-        else:
-            handles = list(getattr(group, "ranks", None) or group.workers)
-            if role == "reward" and group.model_pool is not None:
-                handles += group.model_pool.workers
-        for w in handles:
+        for w in self._handles(role):
             with contextlib.suppress(Exception):
                 ray.kill(w, no_restart=True)
         if role in ("learner", "critic"):
@@ -261,6 +291,12 @@ class Fleet:
         c = self.cfg
         return start_controller(Path(c.run.dir).name, c.rollout.num_workers if self.rollouts else 0,
                                 c.reward.num_workers if self.rewards else 0, c.env.num_workers if self.envs else 0)
+
+
+def _engine_weights(cfg: FleetConfig, roles: Roles) -> str | None:
+    """The model directory whose weights a fleet's engines hold unchanged after a run of ``cfg`` with ``roles``:
+    ``model.path`` when no learner pushes into them, else none (the run's pushes change them)."""
+    return cfg.model.path if roles.rollout and not roles.learner else None
 
 
 def resource_demand(cfg: FleetConfig, roles: Roles) -> dict[str, dict[str, float]]:

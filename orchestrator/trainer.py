@@ -92,8 +92,7 @@ class Trainer:
         self.console.print(f"fleetrl: starting the actors ({', '.join(roles.names())}); their output goes to "
                            f"{self.run_dir / 'logs'}/")
         probe = (self.task.train_batch(0, 1), self.pad_id)
-        self.fleet = fleet.serve(self.cfg, roles, self.judge, probe) if fleet else \
-            Fleet.start(self.cfg, roles, self.judge, probe)
+        self.fleet = Fleet.for_run(fleet, self.cfg, roles, self.judge, probe)
         self.startup_s = time.perf_counter() - self.t_config
         log.info("actors up %.1fs after the config was loaded: %s", self.startup_s, self.fleet.describe())
         for line in banner(self.cfg, self.fleet.describe(), self.dashboard, self.startup_s):

@@ -69,7 +69,7 @@ def shared_ray_env() -> dict:
         for _ in range(3):
             gcs, *p = free_ports(5)
             subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1", "--port",
-                            str(gcs), "--num-cpus", "8", "--include-dashboard", "false", "--temp-dir", temp,
+                            str(gcs), "--num-cpus", "32", "--include-dashboard", "false", "--temp-dir", temp,
                             *node_ports_args(*p)], cwd=ROOT, env=env, check=True, capture_output=True, text=True,
                            timeout=180)
             if raylet_stays_up(temp):
@@ -103,6 +103,56 @@ def raylet_stays_up(temp_dir: str, seconds: float = 8.0) -> bool:
             return False
         time.sleep(0.5)
     return True
+
+
+class FleetServer:
+    """The session's `python -m tests.fleet_server` (see there): `fleetrl` commands run one after another on one
+    fleet, joined to the session's Ray head; started on first use, started again after it died or a command ran
+    past its timeout."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+
+    def run(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+        """``fleetrl ARGV`` on the server's fleet, as `subprocess.run` would give it back (TimeoutExpired past
+        ``timeout``, the server then stopped with its actors)."""
+        import json
+        import select
+        import tempfile
+
+        if self.proc is None or self.proc.poll() is not None:
+            env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", **shared_ray_env())
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.fleet_server"], cwd=ROOT, env=env, text=True,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        out = Path(tempfile.mkdtemp(prefix="fleetrl-cmd-"))
+        self.proc.stdin.write(json.dumps({"argv": argv, "out": str(out)}) + "\n")
+        self.proc.stdin.flush()
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            self.stop(kill=True)
+            raise subprocess.TimeoutExpired(argv, timeout, (out / "stdout").read_text(), (out / "stderr").read_text())
+        line = self.proc.stdout.readline()
+        rc = json.loads(line)["rc"] if line else self.proc.wait()  # no answer: the server died
+        return subprocess.CompletedProcess(argv, rc, (out / "stdout").read_text(), (out / "stderr").read_text())
+
+    def stop(self, kill: bool = False) -> None:
+        """End the server: it stops its fleet and exits (``kill``: at once; its actors die with it)."""
+        if self.proc is not None and self.proc.poll() is None:
+            if not kill:
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=0 if kill else 60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+FLEET_SERVER = FleetServer()
+
+
+def fleetrl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`fleetrl ARGS` on the session's shared fleet (:class:`FleetServer`), as `subprocess.run` gives it back."""
+    return FLEET_SERVER.run(list(args), timeout)
 
 
 @pytest.fixture(scope="session")
@@ -153,6 +203,7 @@ def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
 
 
 def pytest_sessionfinish(session, exitstatus):
+    FLEET_SERVER.stop()
     if _HEAD:
         stop_ray_processes(_HEAD["port"], _HEAD["temp"])
         import shutil

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import shared_ray_env
+from tests.conftest import FLEET_SERVER, shared_ray_env
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ["step", "policy_version", "reward/mean", "reward/std", "train/accuracy", "loss", "kl", "clip_frac",
@@ -29,7 +29,10 @@ def train(run_dir: Path, *args: str, timeout: int = 600) -> subprocess.Completed
 
 
 def run_fleetrl(run_dir: Path, *args: str, timeout: int = 600) -> list[dict]:
-    proc = train(run_dir, *args, timeout=timeout)
+    """`fleetrl train` on the session's shared fleet (tests/fleet_server.py: the actors of the previous run that fit
+    this one are kept); its metrics rows."""
+    config = list(args[:2]) if args[:1] == ("-c",) else []
+    proc = FLEET_SERVER.run(["train", *config, f"run.dir={run_dir}", *args[len(config):]], timeout)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -19,7 +19,7 @@ from orchestrator.config import ConfigError, load_config
 from orchestrator.evaluate import best_of_n, parse_ns, pass_at_k, summarize
 from orchestrator.recipes.data import examples_batch, sample_example
 from orchestrator.recipes.rft import keep_verified, rft_config
-from tests.conftest import shared_ray_env
+from tests.conftest import fleetrl, shared_ray_env
 from tests.test_e2e import ROOT, _check_final_policy
 from workers.records import Sample, ScoredSample
 
@@ -122,8 +122,8 @@ def test_eval_refuses_bad_arguments_before_starting_anything(tmp_path):
 def test_eval_end_to_end(tmp_path):
     """n=1,4 on 16 held-out prompts with the embedded model, selection by the summed (math) reward."""
     out = tmp_path / "eval.json"
-    proc = _cli("eval", "--checkpoint", ".fleetrl/models/arith-base", "--n", "1,4", "--out", str(out),
-                f"run.dir={tmp_path}", "data.eval_size=16", "rollout.num_workers=1")
+    proc = fleetrl("eval", "--checkpoint", ".fleetrl/models/arith-base", "--n", "1,4", "--out", str(out),
+                   f"run.dir={tmp_path}", "data.eval_size=16", "rollout.num_workers=1")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     report = json.loads(out.read_text())
     assert report["num_prompts"] == 16 and report["n"] == [1, 4] and "pass@k" in proc.stdout
@@ -141,9 +141,9 @@ def test_rft_end_to_end(tmp_path):
     """Two RFT rounds through the real CLI: correct samples are kept, the policy is updated and pushed each
     round (policy version advances), and the final policy differs from the base model."""
     run_dir = tmp_path / "rft"
-    proc = _cli("rft", "--rounds", "2", f"run.dir={run_dir}", "data.prompts_per_step=8", "data.eval_size=16",
-                "rollout.num_workers=1", "learner.num_ranks=1", "learner.zero_stage=0", "learner.lr=3e-4",
-                "learner.log_kl=true")
+    proc = fleetrl("rft", "--rounds", "2", f"run.dir={run_dir}", "data.prompts_per_step=8", "data.eval_size=16",
+                   "rollout.num_workers=1", "learner.num_ranks=1", "learner.zero_stage=0", "learner.lr=3e-4",
+                   "learner.log_kl=true")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]

@@ -97,3 +97,30 @@ def test_a_fleet_keeps_for_the_next_run_only_the_actors_that_fit_it():
     assert changed("learner.num_ranks=1") == {"learner", "critic"}
     assert changed("reward.functions=[{name: math}, {name: format}]") == {"reward"}
     assert changed("model.path=.fleetrl/models/calc-base") >= {"rollout"}  # another model shape (vocabulary)
+
+
+def test_engines_are_kept_without_a_learner_only_while_they_hold_the_runs_model(monkeypatch):
+    """A run without a learner (eval, search, PRM labelling) cannot push its model into kept engines: it keeps them
+    only when they hold that model's weights unchanged, never after a training run pushed into them."""
+    from orchestrator.fleet import Fleet, Roles, _engine_weights
+
+    train = load_config(None, ["rollout.num_workers=1"])
+    evaluate = load_config(None, ["rollout.num_workers=1", "run.dir=runs/eval"])
+    fleet = Fleet.__new__(Fleet)
+    fleet.learner = fleet.critic = fleet.envs = fleet.feedback = fleet.prm = fleet.orm = fleet.controller = None
+    fleet.rewards = None
+    monkeypatch.setattr(Fleet, "_dead", lambda self, roles, timeout_s=60.0: set())
+    monkeypatch.setattr(Fleet, "_stop", lambda self, role: None)
+
+    class Engines:  # the group's attributes _keep touches
+        cfg, restarts, recovery_s = train, 0, 0.0
+
+    def kept_after(first: Roles, then: Roles) -> set[str]:
+        fleet.rollouts = Engines()
+        fleet.engine_weights = _engine_weights(train, first)
+        return fleet._keep(train, evaluate, then, None)
+
+    eval_roles = Roles(rollout=True)
+    assert kept_after(Roles(rollout=True), eval_roles) == {"rollout"}  # an eval after an eval of the same model
+    assert kept_after(Roles(learner=True, rollout=True), eval_roles) == set()  # after training: new engines
+    assert kept_after(Roles(learner=True, rollout=True), Roles(learner=True, rollout=True)) == {"rollout"}

@@ -12,7 +12,7 @@ import pytest
 
 from orchestrator import checkpoint as ckpt
 from rewards.tasks import ArithmeticTask
-from tests.conftest import shared_ray_env
+from tests.conftest import fleetrl, shared_ray_env
 from tests.test_e2e import ROOT
 
 SMALL = ["data.prompts_per_step=4", "rollout.group_size=4", "data.eval_size=16", "rollout.num_workers=1",
@@ -43,11 +43,9 @@ def test_offline_dpo_on_a_pairs_file_raises_the_preference_accuracy(tmp_path):
                                          "rejected": str(int(p.metadata["answer"]) + (1 if i % 2 else 10))}) + "\n"
                              for i, p in enumerate(prompts)))
     run_dir = tmp_path / "dpo"
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", "train", "algorithm.name=dpo",
-                           f"algorithm.pairs={pairs}", "algorithm.beta=0.5", "learner.lr=1e-4",
-                           "trainer.total_steps=6", "trainer.eval_every=6", f"run.dir={run_dir}", *SMALL,
-                           "data.prompts_per_step=8"],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = fleetrl("train", "algorithm.name=dpo", f"algorithm.pairs={pairs}", "algorithm.beta=0.5", "learner.lr=1e-4",
+                   "trainer.total_steps=6", "trainer.eval_every=6", f"run.dir={run_dir}", *SMALL,
+                   "data.prompts_per_step=8")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     rows = [r for r in _rows(run_dir) if "dpo/loss" in r]
     assert len(rows) == 6 and all(r["dpo/pairs"] == 16 for r in rows)
@@ -136,11 +134,8 @@ def test_distill_keeps_only_the_teachers_verified_answers_and_fine_tunes_the_stu
     from rewards.functions import math_reward
 
     run_dir = tmp_path / "distill"
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", "distill",
-                           "distill.teacher=.fleetrl/models/arith-base", "distill.prompts=32",
-                           "trainer.total_steps=2", "trainer.eval_every=2",
-                           f"run.dir={run_dir}", *SMALL],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = fleetrl("distill", "distill.teacher=.fleetrl/models/arith-base", "distill.prompts=32",
+                   "trainer.total_steps=2", "trainer.eval_every=2", f"run.dir={run_dir}", *SMALL)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     report = json.loads((run_dir / "distill.json").read_text())
     assert report["prompts"] == 32 and report["samples"] == 32 * 4
@@ -153,8 +148,6 @@ def test_distill_keeps_only_the_teachers_verified_answers_and_fine_tunes_the_stu
         a, b = r["prompt"].rstrip("=").split("+")
         assert math_reward(r["prompt"], r["response"], {"answer": str(int(a) + int(b))}) == 1.0
     assert (run_dir / "final" / "config.json").exists()
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", "distill", "distill.teacher=/nonexistent",
-                           f"run.dir={tmp_path / 'bad'}"], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=120)
+    proc = fleetrl("distill", "distill.teacher=/nonexistent", f"run.dir={tmp_path / 'bad'}", timeout=120)
     assert proc.returncode == 2 and "distill.teacher: '/nonexistent' is not a model directory" in proc.stderr
     assert not (tmp_path / "bad").exists()

@@ -4,21 +4,19 @@ search through the engines, every method, with its report and curve."""
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from orchestrator.embedded_model import init_model
-from tests.test_e2e import ROOT
-from tests.test_pipeline import _env, _rows
+from tests.conftest import fleetrl
+from tests.test_pipeline import _rows
 
 SMALL = ["data.prompts_per_step=4", "rollout.group_size=4", "data.eval_size=8", "rollout.num_workers=1",
          "learner.num_ranks=1", "learner.zero_stage=0"]
 
 
 def _fleetrl(*args, timeout=600) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    proc = fleetrl(*args, timeout=timeout)  # on the session's shared fleet: label, train and search share actors
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return proc
 

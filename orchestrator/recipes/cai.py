@@ -62,9 +62,12 @@ class CAIRun:
     """The task's prompts, the constitution and the engines of one ``fleetrl cai`` command. Everything that can
     be checked (the principles file, the judge model and its option tokens) is checked before any actor starts."""
 
-    def __init__(self, cfg: FleetConfig, n: int, judging: bool = False):
+    def __init__(self, cfg: FleetConfig, n: int, judging: bool = False, fleet=None):
+        """``fleet``: a fleet of this process to serve the command (a pipeline's): its learner loads ``model.path``
+        and pushes it into the engines it keeps; without one the command starts engines of its own."""
         from orchestrator.fleet import Fleet, Roles
-        from orchestrator.launch import init_ray, make_task
+        from orchestrator.launch import init_ray, load_tokenizer, make_task
+        from workers.prompts import pad_token_id
 
         try:
             self.constitution = load_constitution(cfg.cai.principles)
@@ -77,7 +80,9 @@ class CAIRun:
         self.rng = random.Random(f"cai-principles:{cfg.data.seed}")
         self.calls = 0
         init_ray(cfg)
-        self.fleet = Fleet.start(cfg, Roles(rollout=True, feedback=judging and cfg.cai.judge == "model"))
+        roles = Roles(learner=fleet is not None, rollout=True, feedback=judging and cfg.cai.judge == "model")
+        probe = (self.task.train_batch(0, 1), pad_token_id(load_tokenizer(cfg.model.path))) if fleet else None
+        self.fleet = Fleet.for_run(fleet, cfg, roles, probe=probe)
         self.rollouts, self.judge = self.fleet.rollouts, self.fleet.feedback
 
     def reply(self, conversations: list[list[dict]], temperature: float, group_size: int = 1) -> list[str]:
@@ -88,10 +93,11 @@ class CAIRun:
         return [s.completion_text.strip() for s in samples]
 
 
-def revise(cfg: FleetConfig, n: int, out: str | Path) -> dict:
-    """SL-CAI data: ``n`` prompts answered, critiqued and revised ``cai.revisions`` times (see the module)."""
+def revise(cfg: FleetConfig, n: int, out: str | Path, fleet=None) -> dict:
+    """SL-CAI data: ``n`` prompts answered, critiqued and revised ``cai.revisions`` times (see the module), on
+    ``fleet`` when given (:class:`CAIRun`)."""
     t0 = time.perf_counter()
-    run = CAIRun(cfg, n)
+    run = CAIRun(cfg, n, fleet=fleet)
     convs = [as_messages(p.text) for p in run.prompts]
     answers = run.reply(convs, cfg.rollout.temperature)
     first = list(answers)
@@ -118,10 +124,10 @@ def revise(cfg: FleetConfig, n: int, out: str | Path) -> dict:
     return summary
 
 
-def prefer(cfg: FleetConfig, n: int, out: str | Path) -> dict:
-    """RL-CAI preference pairs for ``n`` prompts (see the module)."""
+def prefer(cfg: FleetConfig, n: int, out: str | Path, fleet=None) -> dict:
+    """RL-CAI preference pairs for ``n`` prompts (see the module), on ``fleet`` when given."""
     t0 = time.perf_counter()
-    run = CAIRun(cfg, n, judging=True)
+    run = CAIRun(cfg, n, judging=True, fleet=fleet)
     convs = [as_messages(p.text) for p in run.prompts]
     responses = run.reply(convs, cfg.rollout.temperature, group_size=2)
     pairs = [(responses[2 * i], responses[2 * i + 1]) for i in range(len(convs))]

@@ -24,15 +24,13 @@ The stages run in this process, one after another on one fleet (:meth:`orchestra
 learner ranks load each stage's starting model, loss and optimizer in place, the engines get its weights, and the
 reward actors stay, instead of a start-up per stage; a stage whose settings change a group's actors (ranks,
 engine settings, reward functions) gets new ones for that group. The data a stage writes first with
-Constitutional AI (``cai_revisions``, ``ai_preferences``) comes from a ``fleetrl cai`` process of its own.
+Constitutional AI (``cai_revisions``, ``ai_preferences``) comes from the same fleet (``fleetrl cai``'s code).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -173,16 +171,21 @@ def _writes(raw: dict, kind: str, where: str) -> tuple[str, int] | None:
     return given[0], n
 
 
-def write_stage_data(kind: str, cfg: FleetConfig, n: int, out: Path, config: Path) -> None:
+def write_stage_data(kind: str, cfg: FleetConfig, n: int, out: Path, fleet) -> None:
     """The data a stage writes first: cold-start rows or tool demonstrations of its task, or Constitutional AI
-    revisions or preference pairs from the stage's starting model (``fleetrl cai`` in a process of its own, whose
-    actors are gone when it ends; ``config``: the stage's config file)."""
+    revisions or preference pairs from the stage's starting model, on the pipeline's ``fleet`` (its learner
+    loads that model and pushes it into the engines, as ``fleetrl cai revise|prefer`` would start them)."""
     if kind in ("cai_revisions", "ai_preferences"):
+        from orchestrator.recipes.cai import prefer, revise
+
         action = "revise" if kind == "cai_revisions" else "prefer"
-        proc = subprocess.run([sys.executable, "-m", "orchestrator", "cai", action, "-c", str(config), "--n", str(n),
-                               "--out", str(out)], env=dict(os.environ))
-        if proc.returncode != 0:
-            raise StageFailed(f"fleetrl cai {action} for {out} failed with exit code {proc.returncode}")
+        try:
+            summary = (revise if action == "revise" else prefer)(cfg, n, out, fleet=fleet)
+        except Exception as e:
+            from orchestrator.console import describe_failure
+
+            raise StageFailed(f"fleetrl cai {action} for {out} failed: {describe_failure(e) or repr(e)}") from e
+        print(f"pipeline: cai {action}: {json.dumps(summary)}", flush=True)
     elif kind == "tool_demos":
         from orchestrator.recipes.tool_demos import write_tool_demos
 
@@ -298,9 +301,7 @@ def run_stage(st: Stage, summary: Summary, row: dict, fleet) -> None:
         data = st.dir / f"{kind}.jsonl"
         if not data.exists():
             config.write_text(dump_config(cfg))
-            if kind in ("cai_revisions", "ai_preferences"):
-                fleet.stop()  # `fleetrl cai` starts its own actors: this process's must not hold the cores
-            write_stage_data(kind, cfg, n, data, config)
+            write_stage_data(kind, cfg, n, data, fleet)
         tree = cfg.model_dump(mode="json")
         if kind == "ai_preferences":
             tree["algorithm"]["pairs"] = str(data)

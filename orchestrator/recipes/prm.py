@@ -57,8 +57,9 @@ def token_steps(tokenizer, completion_ids: list[int], separator: str) -> list[tu
     return out
 
 
-def run_label(cfg: FleetConfig, out: str) -> dict:
-    """Label the policy's solutions (see the module doc); returns the summary written to ``label.json``."""
+def run_label(cfg: FleetConfig, out: str, fleet=None) -> dict:
+    """Label the policy's solutions (see the module doc); returns the summary written to ``label.json``.
+    ``fleet``: run on it (kept up)."""
     from orchestrator.fleet import Fleet, Roles
     from orchestrator.launch import init_ray, load_tokenizer, make_task
     from rewards.functions import verdicts
@@ -69,7 +70,7 @@ def run_label(cfg: FleetConfig, out: str) -> dict:
     prompts = task.train_batch(LABEL_SEED, p.prompts)
     init_ray(cfg)
     t0 = time.perf_counter()
-    rollouts = Fleet.start(cfg, Roles(rollout=True)).rollouts
+    rollouts = Fleet.for_run(fleet, cfg, Roles(rollout=True)).rollouts
     t_up = time.perf_counter()
     samples = rollouts.generate(prompts, p.samples, cfg.rollout.temperature, seed=cfg.rollout.seed)
     solved = [(s, token_steps(tokenizer, s.completion_ids, sep)) for s in samples]
@@ -268,7 +269,7 @@ class PRMTrainer(Trainer):
                                                                           if evals else {})})
 
 
-def run_prm_train(cfg: FleetConfig, resume: str | None = None) -> list[dict]:
+def run_prm_train(cfg: FleetConfig, resume: str | None = None, fleet=None) -> list[dict]:
     from orchestrator.trainer import run_training
 
-    return run_training(cfg, resume=resume, loop=PRMTrainer)
+    return run_training(cfg, resume=resume, loop=PRMTrainer, fleet=fleet)

@@ -272,9 +272,9 @@ class Searcher:
 
 
 def run_search(cfg: FleetConfig, checkpoint: str | None, methods: list[str], budgets: list[int],
-               out: str | None = None) -> dict:
+               out: str | None = None, fleet=None) -> dict:
     """Every method at every budget on the held-out prompts; writes ``search.json`` and ``search.png`` in
-    ``out`` (default ``<run.dir>/search``) and returns the report."""
+    ``out`` (default ``<run.dir>/search``) and returns the report. ``fleet``: run on it (kept up)."""
     from orchestrator.evaluate import resolve_model_dir
     from orchestrator.fleet import Fleet, Roles
     from orchestrator.launch import init_ray, load_tokenizer, make_task
@@ -292,7 +292,7 @@ def run_search(cfg: FleetConfig, checkpoint: str | None, methods: list[str], bud
     prompts = task.eval_set(cfg.data.eval_size)
     tokenizer = load_tokenizer(cfg.model.path)
     init_ray(cfg)
-    fleet = Fleet.start(cfg, Roles(rollout=True, prm=needs_prm, orm="orm_best_of_n" in methods))
+    fleet = Fleet.for_run(fleet, cfg, Roles(rollout=True, prm=needs_prm, orm="orm_best_of_n" in methods))
     searcher = Searcher(cfg, fleet.rollouts, fleet.prm, fleet.orm, tokenizer, step_separator(cfg), task.answer_key)
     results: dict[str, list[dict]] = {}
     for method in methods:

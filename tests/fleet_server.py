@@ -1,0 +1,76 @@
+"""`python -m tests.fleet_server`: one process that runs `fleetrl` commands one after another on one fleet, for the
+end-to-end tests (issue 42). The tests would otherwise pay a process start (imports, tokenizer, joining Ray) and a
+fleet start-up (vLLM engines, learner ranks, reward actors: 45-60 s on 2 cores) for every run; here each command
+is :func:`orchestrator.cli.main` with the server's :class:`~orchestrator.fleet.Fleet`, which keeps the actors that
+fit the next run (:meth:`~orchestrator.fleet.Fleet.serve`: the learner ranks load the run's model and optimizer,
+kept engines get its weights) and starts the rest, exactly as a pipeline's stages share a fleet.
+
+Protocol: one JSON object per line on stdin, ``{"argv": [...], "out": DIR}``; the command's standard output and
+error (file descriptors 1 and 2, so the actors' and libraries' output too) go to ``DIR/stdout`` and ``DIR/stderr``,
+and one line ``{"rc": N}`` answers on the server's own standard output. A command that fails (an exit status
+other than 0 and 2, which is a refusal at load) leaves no actor behind: the fleet is stopped, and the next command
+starts a new one. End of input stops
+the fleet and the process."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+
+
+def run_command(argv: list[str], out: Path, fleet) -> int:
+    """One `fleetrl` command on ``fleet`` with its output in ``out``; its exit status."""
+    from orchestrator.cli import main
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(out / "stdout", "w") as o, open(out / "stderr", "w") as e:
+        os.dup2(o.fileno(), 1)
+        os.dup2(e.fileno(), 2)
+        try:
+            rc = main(argv, fleet=fleet)
+        except SystemExit as x:  # argparse
+            rc = x.code if isinstance(x.code, int) else 2
+        except BaseException:  # what `python -m orchestrator` would print and exit 1 on
+            traceback.print_exc()
+            rc = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            _reset_logging()
+    return rc
+
+
+def _reset_logging() -> None:
+    """A training command sends the root logger to its run's driver.log: the next command starts clean."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+        h.close()
+
+
+def main() -> None:
+    from orchestrator.config import load_config
+    from orchestrator.fleet import Fleet, Roles
+
+    reply = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything printed between commands must not reach the replies
+    fleet = Fleet(load_config(None, []), Roles())  # no actor yet: the first command starts what it uses
+    for line in sys.stdin:
+        request = json.loads(line)
+        rc = run_command(request["argv"], Path(request["out"]), fleet)
+        if rc not in (0, 2):  # 2: refused at load, before any actor was asked for anything
+            fleet.stop()
+        reply.write(json.dumps({"rc": rc}) + "\n")
+    fleet.stop()
+
+
+if __name__ == "__main__":
+    main()
