@@ -150,6 +150,22 @@ class FleetServer:
 FLEET_SERVER = FleetServer()
 
 
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """`fleetrl ARGS` in this process (:func:`orchestrator.cli.main`), for commands refused or answered before any
+    actor starts: its output and exit status as `subprocess.run` gives them back, without a process start."""
+    import io
+
+    from orchestrator.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(args))
+        except SystemExit as e:  # argparse
+            rc = e.code
+    return subprocess.CompletedProcess(list(args), rc, out.getvalue(), err.getvalue())
+
+
 def fleetrl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """`fleetrl ARGS` on the session's shared fleet (:class:`FleetServer`), as `subprocess.run` gives it back."""
     return FLEET_SERVER.run(list(args), timeout)

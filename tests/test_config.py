@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from orchestrator.config import ConfigError, FleetConfig, GRPOConfig, RLOOConfig, load_config
+from tests.conftest import cli
 
 
 def test_defaults_are_the_embedded_default_and_documented():
@@ -86,8 +87,7 @@ def test_cli_config_show_prints_resolved_config():
 
 
 def test_cli_missing_model_path_is_a_clear_error(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "orchestrator", "train", f"model.path={tmp_path}/nope",
-                        f"run.dir={tmp_path}/run"], capture_output=True, text=True, timeout=120)
+    r = cli("train", f"model.path={tmp_path}/nope", f"run.dir={tmp_path}/run")
     assert r.returncode == 2
     assert "model.path" in r.stderr and "not a model directory" in r.stderr
     assert not (tmp_path / "run").exists()  # nothing half-started
@@ -137,8 +137,7 @@ def test_plugins_that_are_not_what_they_claim_are_config_errors(override, why):
 
 
 def test_cli_bad_plugin_exits_2_in_one_line_before_any_actor(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "orchestrator", "train", "env.name=tests.test_envs:Turn",
-                        f"run.dir={tmp_path}/run"], capture_output=True, text=True, timeout=120)
+    r = cli("train", "env.name=tests.test_envs:Turn", f"run.dir={tmp_path}/run")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "env.name" in r.stderr and "tests.test_envs:Turn" in r.stderr
     assert not (tmp_path / "run").exists()

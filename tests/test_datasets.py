@@ -1,8 +1,6 @@
 """JSONL and Parquet datasets: field mapping, the GSM8K layout, and bad rows reported with file and line/row."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +9,7 @@ from orchestrator.config import ConfigError, load_config
 from rewards.datasets import DatasetError, DatasetTask, gsm8k_answer
 from rewards.functions import REWARD_FUNCTIONS, math_reward
 from rewards.tasks import countdown_reward
+from tests.conftest import cli
 
 SAMPLE = Path(__file__).parent / "data" / "gsm8k_sample.jsonl"
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,8 +81,7 @@ def test_long_prompts_are_filtered_and_counted(tmp_path):
 
 def test_cli_bad_dataset_exits_2_before_ray(tmp_path):
     f = _write(tmp_path, ['{"prompt": "1+1=", "answer": "2"}', '{"question": "2+2="}'])
-    r = subprocess.run([sys.executable, "-m", "orchestrator", "train", f"data.path={f}", f"run.dir={tmp_path}/run"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = cli("train", f"data.path={f}", f"run.dir={tmp_path}/run")
     assert r.returncode == 2 and "d.jsonl:2: missing field" in r.stderr
     assert "Started a local Ray instance" not in r.stderr
 

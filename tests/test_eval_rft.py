@@ -4,9 +4,6 @@ rows included), and one short run of each command through the real CLI."""
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 from math import comb
 
 import pytest
@@ -19,8 +16,8 @@ from orchestrator.config import ConfigError, load_config
 from orchestrator.evaluate import best_of_n, parse_ns, pass_at_k, summarize
 from orchestrator.recipes.data import examples_batch, sample_example
 from orchestrator.recipes.rft import keep_verified, rft_config
-from tests.conftest import fleetrl, shared_ray_env
-from tests.test_e2e import ROOT, _check_final_policy
+from tests.conftest import cli, fleetrl
+from tests.test_e2e import _check_final_policy
 from workers.records import Sample, ScoredSample
 
 
@@ -102,19 +99,10 @@ def test_rft_config_trains_the_sft_objective():
         rft_config(load_config(), 0)
 
 
-def _cli(*args: str, timeout: int = 600, ray: bool = True) -> subprocess.CompletedProcess:
-    """The real CLI; with ``ray`` it joins the session's Ray head (tests/conftest.py)."""
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1")
-    env.pop("RAY_ADDRESS", None)
-    env.update(shared_ray_env() if ray else {})
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
 def test_eval_refuses_bad_arguments_before_starting_anything(tmp_path):
-    proc = _cli("eval", "--checkpoint", str(tmp_path), "--n", "1,4", ray=False)
+    proc = cli("eval", "--checkpoint", str(tmp_path), "--n", "1,4")
     assert proc.returncode == 2 and "--checkpoint" in proc.stderr and "config.json" in proc.stderr
-    proc = _cli("eval", "--checkpoint", ".fleetrl/models/arith-base", "--select", "reward_model", ray=False)
+    proc = cli("eval", "--checkpoint", ".fleetrl/models/arith-base", "--select", "reward_model")
     assert proc.returncode == 2 and "reward.model.path" in proc.stderr
 
 

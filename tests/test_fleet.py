@@ -3,13 +3,12 @@ made by `fleetrl config show` and by `fleetrl train` before anything starts. No 
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from orchestrator.config import load_config
 from orchestrator.recipes import loop_for
-from tests.test_e2e import ROOT
+from tests.conftest import cli
 
 
 @pytest.mark.parametrize("overrides,loop,roles", [
@@ -30,9 +29,8 @@ def test_each_loop_is_chosen_from_its_algorithm_and_starts_only_what_it_uses(ove
     assert chosen.roles(cfg).names() == roles
 
 
-def _fleetrl(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
+def _fleetrl(*args: str) -> subprocess.CompletedProcess:
+    return cli(*args)
 
 
 def _refused(r: subprocess.CompletedProcess, *words: str) -> None:

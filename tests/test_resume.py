@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import shared_ray_env
+from tests.conftest import cli, shared_ray_env
 from tests.test_e2e import ROOT, run_fleetrl
 
 COMMON = ["trainer.total_steps=4", "trainer.save_every=2", "trainer.eval_every=0", "rollout.num_workers=1",
@@ -131,8 +131,7 @@ def _vllm_matches_transformers(model_dir, base=None, adapter=None):
 
 
 def test_bad_resume_path_exits_2_before_starting_ray(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "orchestrator", "train", f"run.dir={tmp_path}", "--resume", "auto"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = cli("train", f"run.dir={tmp_path}", "--resume", "auto")
     assert r.returncode == 2 and "no complete checkpoint" in r.stderr
     assert "Started a local Ray instance" not in r.stderr
 
