@@ -7,9 +7,10 @@ kept engines get its weights) and starts the rest, exactly as a pipeline's stage
 
 Protocol: one JSON object per line on stdin, ``{"argv": [...], "out": DIR}``; the command's standard output and
 error (file descriptors 1 and 2, so the actors' and libraries' output too) go to ``DIR/stdout`` and ``DIR/stderr``,
-and one line ``{"rc": N}`` answers on the server's own standard output. A command that fails (an exit status
-other than 0 and 2, which is a refusal at load) leaves no actor behind: the fleet is stopped, and the next command
-starts a new one. End of input stops
+and one line ``{"rc": N}`` answers on the server's own standard output. A command that fails as fleetrl reports
+failures (exit 1: a dead learner rank, a failing reward, NaN steps) leaves the fleet up: the next command's
+:meth:`~orchestrator.fleet.Fleet.serve` replaces any group with an actor that does not answer. An unforeseen
+exception (a traceback) stops the fleet, and the next command starts a new one. End of input stops
 the fleet and the process."""
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def run_command(argv: list[str], out: Path, fleet) -> int:
             rc = x.code if isinstance(x.code, int) else 2
         except BaseException:  # what `python -m orchestrator` would print and exit 1 on
             traceback.print_exc()
+            fleet.stop()  # an unforeseen failure: the next command starts a new fleet
             rc = 1
         finally:
             sys.stdout.flush()
@@ -66,8 +68,6 @@ def main() -> None:
     for line in sys.stdin:
         request = json.loads(line)
         rc = run_command(request["argv"], Path(request["out"]), fleet)
-        if rc not in (0, 2):  # 2: refused at load, before any actor was asked for anything
-            fleet.stop()
         reply.write(json.dumps({"rc": rc}) + "\n")
     fleet.stop()
 

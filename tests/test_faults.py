@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import shared_ray_env
+from tests.conftest import fleetrl, shared_ray_env
 from tests.test_e2e import ROOT, train
 
 DRIVER = textwrap.dedent("""
@@ -82,14 +82,10 @@ def nan_reward(prompt, completion, metadata):
 @pytest.mark.e2e
 @pytest.mark.parametrize("ranks,zero_stage", [(1, 0), (2, 2)])
 def test_nan_steps_are_skipped_then_the_run_stops(tmp_path, ranks, zero_stage):
-    import os
-
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", **shared_ray_env())
-    cmd = [sys.executable, "-m", "orchestrator", "train", f"run.dir={tmp_path}", "trainer.total_steps=6",
-           "trainer.eval_every=0", "trainer.max_bad_steps=2", "trainer.save_every=1", "rollout.num_workers=1",
-           f"learner.num_ranks={ranks}", f"learner.zero_stage={zero_stage}", "learner.log_kl=true",
-           "reward.functions=[{name: 'tests.test_faults:nan_reward'}]"]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = fleetrl("train", f"run.dir={tmp_path}", "trainer.total_steps=6", "trainer.eval_every=0",
+                "trainer.max_bad_steps=2", "trainer.save_every=1", "rollout.num_workers=1",
+                f"learner.num_ranks={ranks}", f"learner.zero_stage={zero_stage}", "learner.log_kl=true",
+                "reward.functions=[{name: 'tests.test_faults:nan_reward'}]")
     assert r.returncode == 1, r.stderr[-3000:]
     assert "2 steps in a row had a NaN/Inf" in r.stderr and "Last good checkpoint: none" in r.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -110,9 +106,9 @@ def failing_reward(prompt, completion, metadata):
 
 @pytest.mark.e2e
 def test_a_failing_actor_is_named_on_the_console_with_its_log(tmp_path):
-    proc = train(tmp_path, "trainer.total_steps=2", "trainer.eval_every=0", "rollout.num_workers=1",
-                 "learner.num_ranks=1", "learner.zero_stage=0", "reward.strict=true",
-                 "reward.functions=[{name: 'tests.test_faults:failing_reward'}]")
+    proc = fleetrl("train", f"run.dir={tmp_path}", "trainer.total_steps=2", "trainer.eval_every=0",
+                   "rollout.num_workers=1", "learner.num_ranks=1", "learner.zero_stage=0", "reward.strict=true",
+                   "reward.functions=[{name: 'tests.test_faults:failing_reward'}]")
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
     log = tmp_path / "logs" / "reward-0.log"
     assert f"fleetrl: reward-0 (its log: {log}) failed: RewardFunctionError" in proc.stderr, proc.stderr
@@ -133,9 +129,9 @@ def broken_in_the_actors(prompt, completion, metadata):
 def test_a_run_whose_reward_calls_fail_stops_with_the_first_failure(tmp_path):
     """Issue 43: more than reward.max_error_frac of a step's reward calls failing stops the run (exit 1) with the
     function's error, instead of training to the end on zeros."""
-    proc = train(tmp_path, "trainer.total_steps=3", "trainer.eval_every=0", "rollout.num_workers=1",
-                 "learner.num_ranks=1", "learner.zero_stage=0",
-                 "reward.functions=[{name: 'tests.test_faults:broken_in_the_actors'}]")
+    proc = fleetrl("train", f"run.dir={tmp_path}", "trainer.total_steps=3", "trainer.eval_every=0",
+                   "rollout.num_workers=1", "learner.num_ranks=1", "learner.zero_stage=0",
+                   "reward.functions=[{name: 'tests.test_faults:broken_in_the_actors'}]")
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
     assert "of the reward-function calls failed (reward.max_error_frac=0.5); first: reward function " \
            "'tests.test_faults:broken_in_the_actors' raised KeyError: 'tests'" in proc.stderr, proc.stderr
