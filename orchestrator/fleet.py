@@ -368,11 +368,12 @@ def fit_keys(cfg: FleetConfig) -> dict[str, object]:
     from dataclasses import replace
 
     from orchestrator.launch import max_model_len
-    from orchestrator.pools import engine_spec, placement_key
+    from orchestrator.pools import engine_spec, engine_threads, placement_key
 
     c = cfg.model_dump(mode="json")
     r = c["rollout"]
     pool = {k: r[k] for k in ("num_workers", "num_cpus", "num_gpus", "resources", "max_restarts")}
+    pool["threads"] = engine_threads(cfg)
     engine = (pool, replace(engine_spec(cfg, max_model_len(cfg)), model_path=""), model_shape(cfg.model.path))
     return {
         "learner": placement_key(cfg), "critic": placement_key(cfg), "rollout": engine,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -152,7 +153,8 @@ class RolloutPool(ActorPool):
         r = self.cfg.rollout
         actor = ray.remote(RolloutWorker).options(
             num_cpus=r.num_cpus, num_gpus=r.num_gpus * r.tensor_parallel_size, max_concurrency=1,
-            resources=r.resources or None, **self._options(name, CPU_ENV),
+            resources=r.resources or None,
+            **self._options(name, {**CPU_ENV, "OMP_NUM_THREADS": str(engine_threads(self.cfg))}),
         )
         return actor.remote(engine_spec(self.cfg, self.max_model_len, index))
 
@@ -534,6 +536,16 @@ def engine_spec(cfg: FleetConfig, max_model_len: int, index: int = 0) -> EngineS
                       r.gpu_memory_utilization, r.tensor_parallel_size, enforce_eager=r.enforce_eager,
                       prompt_format=cfg.data.prompt_format, system_prompt=cfg.data.system_prompt, stop=tuple(r.stop),
                       partial_push=lora.enabled and lora.push == "merged", lora=lora.engine_spec())
+
+
+def engine_threads(cfg: FleetConfig) -> int:
+    """The torch threads of each CPU engine (``rollout.cpu_threads``, see there)."""
+    r = cfg.rollout
+    if r.cpu_threads:
+        return r.cpu_threads
+    if r.num_gpus or r.mode != "sync":
+        return 1
+    return max(1, (os.cpu_count() or 1) // r.num_workers)
 
 
 def learner_spec(cfg: FleetConfig, role: str = "actor") -> LearnerSpec:

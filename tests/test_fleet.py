@@ -122,3 +122,23 @@ def test_engines_are_kept_without_a_learner_only_while_they_hold_the_runs_model(
     assert kept_after(Roles(rollout=True), eval_roles) == {"rollout"}  # an eval after an eval of the same model
     assert kept_after(Roles(learner=True, rollout=True), eval_roles) == set()  # after training: new engines
     assert kept_after(Roles(learner=True, rollout=True), Roles(learner=True, rollout=True)) == {"rollout"}
+
+
+def test_cpu_engines_get_the_cores_when_they_generate_alone():
+    """rollout.cpu_threads unset: a sync run's engines share the launching machine's cores; engines that generate
+    beside the learner (one_step_off) or on GPUs get 1; a set value wins. The thread count is part of what an
+    engine was built with (a run with another one gets new engines)."""
+    import os
+
+    from orchestrator.fleet import fit_keys
+    from orchestrator.pools import engine_threads
+
+    cores = os.cpu_count()
+    assert engine_threads(load_config(None, ["rollout.num_workers=1"])) == cores
+    assert engine_threads(load_config(None, [f"rollout.num_workers={cores}"])) == 1
+    assert engine_threads(load_config(None, ["rollout.num_workers=1", "rollout.mode=one_step_off"])) == 1
+    assert engine_threads(load_config(None, ["rollout.num_workers=1", "rollout.num_gpus=1"])) == 1
+    assert engine_threads(load_config(None, ["rollout.num_workers=1", "rollout.cpu_threads=3"])) == 3
+    one = load_config(None, ["rollout.num_workers=1"])
+    assert fit_keys(one)["rollout"] != fit_keys(load_config(None, ["rollout.num_workers=1",
+                                                                   "rollout.cpu_threads=7"]))["rollout"]

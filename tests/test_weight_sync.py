@@ -53,8 +53,10 @@ DRIVER = textwrap.dedent("""
     for w in fleet.rollouts.workers:
         engine = ray.get(w.engine_weights.remote())
         diffs = {n: diff(n, t) for n, t in engine.items()}
-        version = ray.get(w.stats.remote())["policy_version"]
+        stats = ray.get(w.stats.remote())
+        version = stats["policy_version"]
         out["engines"].append({"params": len(engine), "max_diff": max(diffs.values()), "version": version,
+                               "threads": stats["threads"],
                                "worst": max(diffs, key=diffs.get), "covered": sorted(engine)})
     base = load_file(f"{cfg.model.path}/model.safetensors")
     out["moved"] = max((learner[k] - base[k]).abs().max().item() for k in base)
@@ -111,5 +113,6 @@ def test_every_engine_parameter_equals_the_learners_after_several_pushes(tmp_pat
     assert out["moved"] > 1e-4  # the policy really changed, so stale engine weights would show
     for engine in out["engines"]:
         assert engine["version"] == 3
+        assert engine["threads"] == 1  # one_step_off: the engines generate while the learner trains
         assert engine["max_diff"] == 0.0, engine["worst"]  # fp32 end to end: bit-identical
         assert "lm_head.weight" in engine["covered"] and any("qkv_proj" in n for n in engine["covered"])

@@ -255,7 +255,10 @@ class RolloutWorker(LoggedActor):
         return self.llm.collective_rpc("fleetrl_named_weights")[0]
 
     def stats(self) -> dict:
-        return {"policy_version": self.policy_version, "generated_tokens": self.generated_tokens, "pid": os.getpid()}
+        import torch
+
+        return {"policy_version": self.policy_version, "generated_tokens": self.generated_tokens, "pid": os.getpid(),
+                "threads": torch.get_num_threads()}
 
 
 def _sample_seed(seed: int, uid: str, j: int) -> int:
