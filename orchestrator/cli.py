@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None, fleet=None) -> int:
                 print(f"fleetrl: {e}", file=sys.stderr)
                 return 2
         if args.command in COMMANDS_WITHOUT_CONFIG:
-            return COMMANDS_WITHOUT_CONFIG[args.command](args)
+            return COMMANDS_WITHOUT_CONFIG[args.command](args, fleet)
         overrides = args.overrides + (["run.verbose=true"] if getattr(args, "verbose", False) else [])
         if args.command == "config":
             return _config(args, overrides)
@@ -389,12 +389,6 @@ def _export(args) -> int:
     return 0
 
 
-def _pipeline(args) -> int:
-    from orchestrator.recipes.pipeline import run_pipeline
-
-    return run_pipeline(args.config, args.overrides)
-
-
 def _config(args, overrides: list[str]) -> int:
     """`config show` (the resolved config, after the checks a run makes at load) or `config docs`."""
     if args.action == "docs":
@@ -406,9 +400,16 @@ def _config(args, overrides: list[str]) -> int:
     return 0
 
 
-COMMANDS_WITHOUT_CONFIG = {"init-model": lambda a: _init_model(a), "export": _export, "pipeline": _pipeline,
-                           "data": lambda a: _data_command(a)}
-"""Commands that load no run config of their own (``config docs`` is handled beside ``config show``)."""
+def _pipeline(args, fleet) -> int:
+    from orchestrator.recipes.pipeline import run_pipeline
+
+    return run_pipeline(args.config, args.overrides, fleet)
+
+
+COMMANDS_WITHOUT_CONFIG = {"init-model": lambda a, _: _init_model(a), "export": lambda a, _: _export(a),
+                           "pipeline": _pipeline, "data": lambda a, _: _data_command(a)}
+"""Commands that load no run config of their own, called with the arguments and the caller's fleet (``config docs``
+is handled beside ``config show``)."""
 
 
 if __name__ == "__main__":

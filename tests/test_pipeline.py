@@ -90,7 +90,7 @@ def test_pipeline_killed_in_stage_two_resumes_without_repeating_stage_one(tmp_pa
     assert [s["status"] for s in summary] == ["finished", "running", "pending"]
     killed_at = ckpt.complete_checkpoints(stage2)[-1]
 
-    again = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    again = fleetrl(*cmd[3:], timeout=600)  # the rerun, on the session's fleet
     assert again.returncode == 0, (again.stdout + again.stderr)[-6000:]
     assert "stage 1 warm finished already" in again.stdout and "resuming from" in again.stdout
     summary = json.loads((run_dir / "summary.json").read_text())["stages"]

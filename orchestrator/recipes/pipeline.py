@@ -361,7 +361,9 @@ class StageFailed(RuntimeError):
     pass
 
 
-def run_pipeline(recipe: str, overrides: list[str]) -> int:
+def run_pipeline(recipe: str, overrides: list[str], fleet=None) -> int:
+    """`fleetrl pipeline`: every stage not finished yet, in order, on ``fleet`` (kept up afterwards) or on a
+    fleet of its own; the exit status."""
     try:
         stages = load_recipe(recipe, overrides)
         check_inputs(stages)
@@ -375,7 +377,8 @@ def run_pipeline(recipe: str, overrides: list[str]) -> int:
     from orchestrator.launch import init_ray
 
     init_ray(stages[0].cfg)
-    fleet = Fleet(stages[0].cfg, Roles())  # no actor yet: the first stage that runs starts what it uses
+    own = fleet is None
+    fleet = fleet or Fleet(stages[0].cfg, Roles())  # no actor yet: the first stage that runs starts what it uses
     try:
         for st, row in zip(stages, summary.rows):
             if row["status"] == "finished" and (st.dir / "final" / "config.json").exists():
@@ -383,10 +386,11 @@ def run_pipeline(recipe: str, overrides: list[str]) -> int:
                 continue
             run_stage(st, summary, row, fleet)
     except StageFailed as e:
-        fleet.stop()
         print(summary.table())
         print(f"fleetrl: {e}", file=sys.stderr)
         return 1
-    fleet.stop()
+    finally:
+        if own:
+            fleet.stop()
     print(summary.table())
     return 0
