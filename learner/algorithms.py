@@ -2,7 +2,7 @@
 critic methods) are assembled from a scored batch, and which loss settings the learner gets.
 
 One signature for every algorithm: ``fn(cfg, x: AdvantageInputs) -> (advantages [B, T], returns [B, T] | None)``,
-where ``cfg`` is the algorithm's config section (plain data: :mod:`orchestrator.algorithms`) and ``x`` what the
+where ``cfg`` is the algorithm's config section (plain data: :mod:`orchestrator.config.algorithms`) and ``x`` what the
 driver knows about the batch (:func:`advantage_inputs`). The estimators themselves are the pure functions of
 :mod:`learner.advantages`. ``tests/test_algorithms.py`` checks that every config section has exactly one function.
 """

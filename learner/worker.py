@@ -31,7 +31,7 @@ class LearnerSpec:
     """What a learner group trains and how: the typed record the driver sends every rank
     (:func:`orchestrator.pools.learner_spec` builds it from the config). ``role="actor"``: causal LM policy +
     frozen reference (``reference``), trained with the registered loss of ``loss_kwargs``; ``lora``
-    (:meth:`orchestrator.lora_config.LoraSection.spec`): PEFT adapters on it, the base frozen and serving as the
+    (:meth:`orchestrator.config.lora.LoraSection.spec`): PEFT adapters on it, the base frozen and serving as the
     reference with the adapters off (:mod:`learner.lora`). ``role="critic"``: the same architecture with a scalar
     head (initialized from the policy weights, head fresh), trained with ``value_loss(**loss_kwargs)``; with
     ``lora`` its own adapters and value head on its frozen base. ``layout``: packing, logprob chunking,

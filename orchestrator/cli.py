@@ -392,7 +392,7 @@ def _export(args) -> int:
 def _config(args, overrides: list[str]) -> int:
     """`config show` (the resolved config, after the checks a run makes at load) or `config docs`."""
     if args.action == "docs":
-        from orchestrator.config_docs import config_reference_markdown
+        from orchestrator.config.docs import config_reference_markdown
 
         print(config_reference_markdown(), end="")
     else:

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from orchestrator.section import Section
+from orchestrator.config.section import Section
 
 ALL_LINEAR = "all-linear"
 

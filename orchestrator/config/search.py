@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from orchestrator.section import Section
+from orchestrator.config.section import Section
 
 
 class PRMSection(Section):

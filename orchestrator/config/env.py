@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from orchestrator.section import Section
+from orchestrator.config.section import Section
 
 
 class EnvConfig(Section):

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from orchestrator.algorithms import (  # noqa: F401 - re-exported: the algorithm sections are part of the config
+from orchestrator.config.algorithms import (  # noqa: F401 - re-exported: the algorithm sections are part of the config
     ALGORITHMS,
     AlgorithmConfig,
     DrGRPOConfig,
@@ -30,11 +30,11 @@ from orchestrator.algorithms import (  # noqa: F401 - re-exported: the algorithm
     RewardCondition,
     RLOOConfig,
 )
-from orchestrator.cai_config import CAISection, check_judge_reward
-from orchestrator.env_config import EnvConfig
-from orchestrator.lora_config import LoraSection, check_lora
-from orchestrator.search.config import PRMSection, SearchSection
-from orchestrator.section import Section
+from orchestrator.config.cai import CAISection, check_judge_reward
+from orchestrator.config.env import EnvConfig
+from orchestrator.config.lora import LoraSection, check_lora
+from orchestrator.config.search import PRMSection, SearchSection
+from orchestrator.config.section import Section
 
 EMBEDDED_MODEL_PATH = ".fleetrl/models/arith-base"
 CALC_MODEL_PATH = ".fleetrl/models/calc-base"

@@ -8,7 +8,7 @@ from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import Field
 
-from orchestrator.section import Section
+from orchestrator.config.section import Section
 
 
 class LossConfig(Section):

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from orchestrator.section import Section
+from orchestrator.config.section import Section
 
 
 class CAISection(Section):
