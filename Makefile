@@ -35,7 +35,7 @@ train: model
 	$(VENV)/bin/fleetrl train -c configs/default.yaml
 
 lint: setup
-	$(VENV)/bin/ruff check orchestrator workers learner rewards tests
+	$(VENV)/bin/ruff check orchestrator workers learner rewards common tests
 
 test: setup lint
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from orchestrator.embedded_model import SPECIALS, build_tokenizer
+from orchestrator.models.embedded_model import SPECIALS, build_tokenizer
 
 MODELS_DIR = Path(".fleetrl/models")
 

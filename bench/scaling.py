@@ -30,7 +30,7 @@ def rollout_scaling(s: dict) -> dict:
     import ray
 
     from orchestrator.config import load_config
-    from orchestrator.pools import RolloutPool
+    from orchestrator.rl.pools import RolloutPool
     from rewards.tasks import ArithmeticTask
 
     path = str(model_path(s["preset"]))

@@ -159,9 +159,9 @@ def profile() -> dict:
         phases[name] = round(time.perf_counter() - t0 - sum(phases.values()), 2)
 
     from orchestrator.config import load_config
-    from orchestrator.console import Console
-    from orchestrator.launch import init_ray
-    from orchestrator.trainer import Trainer
+    from orchestrator.ops.console import Console
+    from orchestrator.rl.launch import init_ray
+    from orchestrator.rl.trainer import Trainer
     lap("driver imports")
     run_dir = (RUNS_DIR / "startup-profile").resolve()
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -172,7 +172,7 @@ def profile() -> dict:
     lap("ray.init (a private local instance)")
     import ray
 
-    from orchestrator.fleet import Fleet, Roles
+    from orchestrator.rl.fleet import Fleet, Roles
     fleet = Fleet(cfg, Roles(learner=True, rollout=True, reward=True))  # created, not waited for
     groups = {"learner ranks": fleet.learner, "vLLM engines": fleet.rollouts, "reward actor": fleet.rewards}
     lap("actors created (placement group, spawn)")

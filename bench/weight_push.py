@@ -78,7 +78,7 @@ def bench_model(name: str, reps: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from orchestrator.config import load_config
-    from orchestrator.pools import RolloutPool
+    from orchestrator.rl.pools import RolloutPool
 
     path = str(model_path(name))
     require_model(path, name)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from workers.registry import Registry
+from common.registry import Registry
 
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
 register_estimator = ADVANTAGE_ESTIMATORS.register

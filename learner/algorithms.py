@@ -2,9 +2,10 @@
 critic methods) are assembled from a scored batch, and which loss settings the learner gets.
 
 One signature for every algorithm: ``fn(cfg, x: AdvantageInputs) -> (advantages [B, T], returns [B, T] | None)``,
-where ``cfg`` is the algorithm's config section (plain data: :mod:`orchestrator.config.algorithms`) and ``x`` what the
-driver knows about the batch (:func:`advantage_inputs`). The estimators themselves are the pure functions of
-:mod:`learner.advantages`. ``tests/test_algorithms.py`` checks that every config section has exactly one function.
+where ``cfg`` is the algorithm's config section (plain data: :mod:`orchestrator.config.algorithm_sections`) and
+``x`` what the driver knows about the batch (:func:`advantage_inputs`). The estimators themselves are the pure
+functions of :mod:`learner.advantages`. ``tests/test_algorithms.py`` checks that every config section has exactly
+one function.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from common.registry import Registry
 from learner.advantages import AdvantageInputs, conditioned_rewards, get_estimator
 from learner.losses import kl_estimate
-from workers.registry import Registry
 
 ALGORITHMS = Registry("algorithm")
 """``algorithm.name`` -> its advantage assembly."""

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from workers.registry import Registry
+from common.registry import Registry
 
 LOSSES = Registry("loss")
 register_loss = LOSSES.register

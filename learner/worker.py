@@ -14,11 +14,11 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
+from common.actor_logs import LoggedActor, peak_rss_mb
+from common.imports import skip_unused_comm_op, skip_unused_imports
 from learner.batch import TrainBatch
 from learner.forward import HiddenStatesLM, critic_values, policy_logprobs
 from learner.packing import Layout, filler, micro_batches
-from workers.actor_logs import LoggedActor, peak_rss_mb
-from workers.imports import skip_unused_comm_op, skip_unused_imports
 
 
 def _set_dist_env(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
@@ -29,7 +29,7 @@ def _set_dist_env(rank: int, world_size: int, master_addr: str, master_port: int
 @dataclass(frozen=True)
 class LearnerSpec:
     """What a learner group trains and how: the typed record the driver sends every rank
-    (:func:`orchestrator.pools.learner_spec` builds it from the config). ``role="actor"``: causal LM policy +
+    (:func:`orchestrator.rl.pools.learner_spec` builds it from the config). ``role="actor"``: causal LM policy +
     frozen reference (``reference``), trained with the registered loss of ``loss_kwargs``; ``lora``
     (:meth:`orchestrator.config.lora.LoraSection.spec`): PEFT adapters on it, the base frozen and serving as the
     reference with the adapters off (:mod:`learner.lora`). ``role="critic"``: the same architecture with a scalar

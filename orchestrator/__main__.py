@@ -1,5 +1,5 @@
 import sys
 
-from orchestrator.cli import main
+from orchestrator.ops.cli import main
 
 sys.exit(main())

@@ -12,8 +12,8 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 
+from common.registry import Registry
 from rewards.answers import MAX_COMPLETION_CHARS, answer_regions, final_text, matches
-from workers.registry import Registry
 
 log = logging.getLogger("fleetrl.reward")
 RewardFn = Callable[[str, str, dict], "float | dict[str, float]"]

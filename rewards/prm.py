@@ -10,7 +10,7 @@ load any policy. ``fleetrl_prm.json`` beside the weights records the tag, the se
 An *outcome* reward model (ORM) is the same thing trained on the final correctness only (``prm.target: outcome``):
 its score of a solution is the score of its last step.
 
-:class:`PRMWorker` is a plain class; ``orchestrator.pools.PRMPool`` makes it the `prm-i` (or `orm-i`) actors.
+:class:`PRMWorker` is a plain class; ``orchestrator.rl.pools.PRMPool`` makes it the `prm-i` (or `orm-i`) actors.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import json
 import math
 from pathlib import Path
 
-from workers.actor_logs import LoggedActor
-from workers.imports import skip_unused_imports
+from common.actor_logs import LoggedActor
+from common.imports import skip_unused_imports
 
 META_FILE = "fleetrl_prm.json"
 AGGREGATIONS = ("min", "last", "prod")

@@ -1,7 +1,7 @@
 """Reward model: an HF sequence-classification model with one output (``num_labels=1``) that scores
 (prompt, completion) pairs; the score is the logit at the last token of ``prompt + completion``.
 
-:class:`RewardModelWorker` is a plain class; ``orchestrator.pools.RewardModelPool`` wraps it with ``ray.remote``
+:class:`RewardModelWorker` is a plain class; ``orchestrator.rl.pools.RewardModelPool`` wraps it with ``ray.remote``
 and names the actors ``reward-model-i``. With ``reward.model.path`` set, every scored sample gets a component
 ``reward_model`` (weight ``reward.model.weight`` in the summed reward).
 
@@ -18,8 +18,8 @@ import random
 import time
 from pathlib import Path
 
-from workers.actor_logs import LoggedActor
-from workers.imports import skip_unused_imports
+from common.actor_logs import LoggedActor
+from common.imports import skip_unused_imports
 
 EMBEDDED_REWARD_MODEL_PATH = ".fleetrl/models/arith-rm"
 

@@ -16,9 +16,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from common.actor_logs import LoggedActor
 from rewards.bounded import DEFAULT_MEMORY_MB, BoundedPool, Outcome
 from rewards.functions import load_reward_function
-from workers.actor_logs import LoggedActor
 
 log = logging.getLogger("fleetrl.reward")
 

@@ -151,11 +151,11 @@ FLEET_SERVER = FleetServer()
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    """`fleetrl ARGS` in this process (:func:`orchestrator.cli.main`), for commands refused or answered before any
+    """`fleetrl ARGS` in this process (:func:`orchestrator.ops.cli.main`), for commands refused or answered before any
     actor starts: its output and exit status as `subprocess.run` gives them back, without a process start."""
     import io
 
-    from orchestrator.cli import main
+    from orchestrator.ops.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -180,7 +180,7 @@ def smollm2_import(tmp_path_factory) -> dict:
     import json
 
     out = tmp_path_factory.mktemp("smollm2-import")
-    script = (f"import json; from orchestrator.model_import import import_gguf, packaged_gguf; "
+    script = (f"import json; from orchestrator.models.model_import import import_gguf, packaged_gguf; "
               f"info = import_gguf(packaged_gguf('smollm2-135m-instruct'), {str(out / 'smollm2')!r}); "
               f"print('CHECK', json.dumps(info['check']))")
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -206,7 +206,7 @@ def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
     tests.test_envs reads the tokenizer)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from orchestrator.model_import import packaged_gguf
+    from orchestrator.models.model_import import packaged_gguf
 
     out = tmp_path_factory.mktemp("smollm2-tokenizer")
     gguf = packaged_gguf("smollm2-135m-instruct")

@@ -1,15 +1,15 @@
 """`python -m tests.fleet_server`: one process that runs `fleetrl` commands one after another on one fleet, for the
 end-to-end tests (issue 42). The tests would otherwise pay a process start (imports, tokenizer, joining Ray) and a
 fleet start-up (vLLM engines, learner ranks, reward actors: 45-60 s on 2 cores) for every run; here each command
-is :func:`orchestrator.cli.main` with the server's :class:`~orchestrator.fleet.Fleet`, which keeps the actors that
-fit the next run (:meth:`~orchestrator.fleet.Fleet.serve`: the learner ranks load the run's model and optimizer,
+is :func:`orchestrator.ops.cli.main` with the server's :class:`~orchestrator.rl.fleet.Fleet`, which keeps the actors
+that fit the next run (:meth:`~orchestrator.rl.fleet.Fleet.serve`: the learner ranks load the run's model and optimizer,
 kept engines get its weights) and starts the rest, exactly as a pipeline's stages share a fleet.
 
 Protocol: one JSON object per line on stdin, ``{"argv": [...], "out": DIR}``; the command's standard output and
 error (file descriptors 1 and 2, so the actors' and libraries' output too) go to ``DIR/stdout`` and ``DIR/stderr``,
 and one line ``{"rc": N}`` answers on the server's own standard output. A command that fails as fleetrl reports
 failures (exit 1: a dead learner rank, a failing reward, NaN steps) leaves the fleet up: the next command's
-:meth:`~orchestrator.fleet.Fleet.serve` replaces any group with an actor that does not answer. An unforeseen
+:meth:`~orchestrator.rl.fleet.Fleet.serve` replaces any group with an actor that does not answer. An unforeseen
 exception (a traceback) stops the fleet, and the next command starts a new one. End of input stops
 the fleet and the process."""
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 def run_command(argv: list[str], out: Path, fleet) -> int:
     """One `fleetrl` command on ``fleet`` with its output in ``out``; its exit status."""
-    from orchestrator.cli import main
+    from orchestrator.ops.cli import main
 
     sys.stdout.flush()
     sys.stderr.flush()
@@ -60,7 +60,7 @@ def _reset_logging() -> None:
 
 def main() -> None:
     from orchestrator.config import load_config
-    from orchestrator.fleet import Fleet, Roles
+    from orchestrator.rl.fleet import Fleet, Roles
 
     reply = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything printed between commands must not reach the replies

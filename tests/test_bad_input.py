@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from orchestrator.cli import main
+from orchestrator.ops.cli import main
 
 
 def bad_signature(prompt, completion):  # no metadata
@@ -151,7 +151,7 @@ def test_a_dataset_line_that_is_not_utf8_is_named(capsys, tmp_path):
 
 def test_an_actor_that_died_starting_is_summarized_with_its_cause_and_no_colour_codes():
     """What the console prints for an actor whose constructor raised (Ray's first line is generic)."""
-    from orchestrator.console import error_summary
+    from orchestrator.ops.console import error_summary
 
     class ActorDiedError(Exception):
         pass

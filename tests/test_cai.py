@@ -320,7 +320,7 @@ def test_sl_cai_then_rl_cai_in_a_pipeline_and_the_judges_probabilities_are_the_m
 def _check_judge_rewards(stage_dir: Path, judge: Path, principles) -> None:
     """Every sample of the judge-rewarded step scored its mean P(yes) over its prompt's principles, as
     transformers computes it with the stage's starting policy (the judge); no judge errors."""
-    from orchestrator.launch import make_task
+    from orchestrator.rl.launch import make_task
     from rewards.constitution import rubric_question
     from rewards.judge import applicable
 

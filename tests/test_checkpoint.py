@@ -2,7 +2,7 @@
 
 import pytest
 
-from orchestrator import checkpoint as ckpt
+from orchestrator.rl import checkpoint as ckpt
 
 
 def _write(run_dir, step, keep=2):

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import EMBEDDED_MODEL_PATH
-from orchestrator.controller import METRICS as CONTROLLER_METRICS
-from orchestrator.embedded_model import init_model
+from orchestrator.models.embedded_model import init_model
+from orchestrator.ops.controller import METRICS as CONTROLLER_METRICS
 from rewards.tasks import ArithmeticTask
 from tests.conftest import free_ports, node_ports_args, stop_ray_processes
 from tests.test_e2e import ROOT

@@ -103,8 +103,8 @@ def test_cli_missing_model_path_is_a_clear_error(tmp_path):
     (["learner.logprob_pass=always"], True),
 ])
 def test_separate_logprob_pass_only_when_the_batch_is_used_more_than_once(overrides, separate):
-    from orchestrator.launch import ensure_model
-    from orchestrator.trainer import Trainer
+    from orchestrator.rl.launch import ensure_model
+    from orchestrator.rl.trainer import Trainer
 
     cfg = load_config(None, ["run.dir=/tmp/fleetrl-unused", *overrides])
     ensure_model(cfg)  # the Trainer reads the tokenizer: on a fresh checkout the embedded model is built first
@@ -117,7 +117,7 @@ def test_separate_logprob_pass_only_when_the_batch_is_used_more_than_once(overri
 def test_learner_temperature_is_the_sampling_one_only_for_policy_gradients(algorithm, temperature):
     """PPO-family ratios compare against the policy that sampled at rollout.temperature; SFT, DPO and PRM losses
     are the model's own likelihoods (an NLL at temperature 0.7 would train a sharper model than the data)."""
-    from orchestrator.pools import learner_temperature
+    from orchestrator.rl.pools import learner_temperature
 
     cfg = FleetConfig.model_validate({"algorithm": {"name": algorithm}, "rollout": {"temperature": 0.7}})
     assert learner_temperature(cfg) == temperature

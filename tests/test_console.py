@@ -14,8 +14,8 @@ import textwrap
 import pytest
 
 from orchestrator.config import ConfigError, load_config
-from orchestrator.console import Console, eval_line
-from orchestrator.metrics import MetricsLogger
+from orchestrator.ops.console import Console, eval_line
+from orchestrator.ops.metrics import MetricsLogger
 from tests import wandb_offline
 from workers.vllm_ext import RELOAD_LOGGER, ExpectedReloadWarnings
 
@@ -106,7 +106,7 @@ def test_only_the_expected_reload_warnings_are_dropped():
 
 CAPTURE = textwrap.dedent("""
     import logging, os, sys
-    from workers.actor_logs import capture_output
+    from common.actor_logs import capture_output
     print("before", flush=True)
     path = capture_output("rollout-7")
     print("python print")
@@ -168,7 +168,7 @@ def test_console_plain_lines_without_a_tty_and_a_progress_bar_with_one():
 
 
 def test_the_run_status_file_holds_the_latest_numbers_and_the_state(tmp_path):
-    from orchestrator.run_status import RunStatus
+    from orchestrator.ops.run_status import RunStatus
 
     status = RunStatus(tmp_path)
     for row in ROWS[:2]:
@@ -183,7 +183,7 @@ def test_the_run_status_file_holds_the_latest_numbers_and_the_state(tmp_path):
 
 def test_supervised_step_lines_show_their_loss_not_eval_only():
     """SFT, DPO and PRM training steps print their own loss; only a step with no metric of its own says so."""
-    from orchestrator.metrics import progress_line
+    from orchestrator.ops.metrics import progress_line
 
     prm = progress_line({"step": 3, "policy_version": 3, "prm/bce": 0.41, "prm/accuracy": 0.8, "time/step_s": 2.0})
     assert "prm/bce 0.4100" in prm and "prm/accuracy 0.8000" in prm and "eval only" not in prm

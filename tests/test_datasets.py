@@ -33,7 +33,7 @@ def test_dataset_verifier_is_data_verifier(monkeypatch):
     assert task.verifier == "choice" and task.verifier_fn is REWARD_FUNCTIONS["choice"]
     with pytest.raises(KeyError, match="unknown reward function 'nope'; built-ins"):
         DatasetTask(str(SAMPLE), "question", "answer", False, eval_size=2, seed=0, verifier="nope")
-    from orchestrator import launch  # the run's make_task hands data.verifier on
+    from orchestrator.rl import launch  # the run's make_task hands data.verifier on
 
     monkeypatch.setattr(launch, "load_tokenizer", lambda path: lambda text: {"input_ids": text.split()})
     cfg = load_config(overrides=[f"data.path={SAMPLE}", "data.prompt_field=question", "data.eval_size=2",

@@ -44,7 +44,7 @@ def test_every_field_is_documented():
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_commands_and_make_targets_exist(page):
-    from orchestrator.cli import _parser
+    from orchestrator.ops.cli import _parser
 
     sub = next(a for a in _parser()._actions if a.dest == "command")
     makefile = (ROOT / "Makefile").read_text()

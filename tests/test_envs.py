@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.embedded_model import TOOL_CHARS, build_tokenizer
+from orchestrator.models.embedded_model import TOOL_CHARS, build_tokenizer
 from workers.envs.api import Environment, StepResult
 from workers.envs.episode import EpisodeLimits, run_episode
 from workers.envs.renderers import ChatTemplateRenderer, TemplateNotPrefixPreserving, TextRenderer
@@ -211,7 +211,7 @@ def _smollm2_tokenizer():
 
     if (SMOLLM2 / "tokenizer.json").exists():
         return AutoTokenizer.from_pretrained(SMOLLM2)
-    from orchestrator.model_import import packaged_gguf  # not converted yet: the same tokenizer, from the GGUF
+    from orchestrator.models.model_import import packaged_gguf  # not converted yet: the same tokenizer, from the GGUF
 
     gguf = packaged_gguf("smollm2-135m-instruct")
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -315,7 +315,7 @@ class ThreeTurns(Environment):
 
 
 def test_a_group_with_an_errored_episode_gets_zero_loss_and_the_metrics_count_it():
-    from orchestrator.episodes import drop_errored_groups, episode_metrics
+    from orchestrator.rl.episode_metrics import drop_errored_groups, episode_metrics
     from workers.records import EpisodeStats, Sample, ScoredSample
 
     def sample(errored: bool, calls: int, termination: str) -> ScoredSample:
@@ -404,9 +404,9 @@ def test_tool_choice_demos_call_each_problems_own_tool_and_the_metrics_score_the
     """`tool_choice` problems are half products (calculator), half letter counts (python; the calculator refuses
     them); each demonstration calls its problem's tool and the real result is the answer. `env/right_tool_rate`
     is the share of calling episodes whose first call named the problem's tool, computed from the calls."""
-    from orchestrator.episodes import episode_metrics, eval_episode_metrics
     from orchestrator.recipes.pipeline import config_or_stage
     from orchestrator.recipes.tool_demos import tool_demo_rows
+    from orchestrator.rl.episode_metrics import episode_metrics, eval_episode_metrics
     from workers.records import EpisodeStats, Sample
 
     cfg = config_or_stage(str(ROOT / "configs/smollm2_tools.yaml"), [], writes="tool_demos")

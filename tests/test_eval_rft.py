@@ -13,9 +13,9 @@ from learner.algorithms import loss_kwargs
 from learner.batch import response_logprobs
 from learner.losses import LossScale, sft_loss
 from orchestrator.config import ConfigError, load_config
-from orchestrator.evaluate import best_of_n, parse_ns, pass_at_k, summarize
+from orchestrator.evaluation.evaluate import best_of_n, parse_ns, pass_at_k, summarize
+from orchestrator.loops.rft import keep_verified, rft_config
 from orchestrator.recipes.data import examples_batch, sample_example
-from orchestrator.recipes.rft import keep_verified, rft_config
 from tests.conftest import cli, fleetrl
 from tests.test_e2e import _check_final_policy
 from workers.records import Sample, ScoredSample

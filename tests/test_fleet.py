@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from orchestrator.config import load_config
-from orchestrator.recipes import loop_for
+from orchestrator.loops import loop_for
 from tests.conftest import cli
 
 
@@ -82,7 +82,7 @@ def test_a_fleet_keeps_for_the_next_run_only_the_actors_that_fit_it():
     """What Fleet.serve compares: another algorithm, learning rate or starting model of the same shape keeps every
     group (the ranks load the new run; the engines get its weights); other engine settings, ranks or reward
     functions do not keep theirs."""
-    from orchestrator.fleet import fit_keys
+    from orchestrator.rl.fleet import fit_keys
 
     base = fit_keys(load_config(None, []))
 
@@ -100,7 +100,7 @@ def test_a_fleet_keeps_for_the_next_run_only_the_actors_that_fit_it():
 def test_engines_are_kept_without_a_learner_only_while_they_hold_the_runs_model(monkeypatch):
     """A run without a learner (eval, search, PRM labelling) cannot push its model into kept engines: it keeps them
     only when they hold that model's weights unchanged, never after a training run pushed into them."""
-    from orchestrator.fleet import Fleet, Roles, _engine_weights
+    from orchestrator.rl.fleet import Fleet, Roles, _engine_weights
 
     train = load_config(None, ["rollout.num_workers=1"])
     evaluate = load_config(None, ["rollout.num_workers=1", "run.dir=runs/eval"])
@@ -130,8 +130,8 @@ def test_cpu_engines_get_the_cores_when_they_generate_alone():
     engine was built with (a run with another one gets new engines)."""
     import os
 
-    from orchestrator.fleet import fit_keys
-    from orchestrator.pools import engine_threads
+    from orchestrator.rl.fleet import fit_keys
+    from orchestrator.rl.pools import engine_threads
 
     cores = os.cpu_count()
     assert engine_threads(load_config(None, ["rollout.num_workers=1"])) == cores

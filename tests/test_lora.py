@@ -16,7 +16,7 @@ LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from orchestrator.embedded_model import build_model, build_tokenizer
+    from orchestrator.models.embedded_model import build_model, build_tokenizer
 
     out = tmp_path_factory.mktemp("tiny")
     tok = build_tokenizer()
@@ -42,7 +42,7 @@ def _rank(model_dir: str, dsc: dict, lora: dict | None, role: str = "actor"):
     under DeepSpeed config ``dsc``."""
     from learner.algorithms import critic_loss_kwargs, loss_kwargs
     from learner.worker import LearnerSpec, LearnerWorker
-    from orchestrator.pools import _free_port, learner_layout
+    from orchestrator.rl.pools import _free_port, learner_layout
 
     algo = "ppo" if role == "critic" else "grpo"
     cfg = load_config(overrides=[f"model.path={model_dir}", f"algorithm.name={algo}", "algorithm.kl_coef=0.01"])

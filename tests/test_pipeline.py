@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from orchestrator import checkpoint as ckpt
+from orchestrator.rl import checkpoint as ckpt
 from rewards.tasks import ArithmeticTask
 from tests.conftest import fleetrl, shared_ray_env
 from tests.test_e2e import ROOT

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from orchestrator.embedded_model import init_model
+from orchestrator.models.embedded_model import init_model
 from tests.conftest import fleetrl
 from tests.test_pipeline import _rows
 

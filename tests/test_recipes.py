@@ -81,7 +81,7 @@ def test_dpo_loss_equals_trls_dpo_trainer(tmp_path):
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    from orchestrator.embedded_model import build_model, build_tokenizer
+    from orchestrator.models.embedded_model import build_model, build_tokenizer
 
     tok = build_tokenizer()
     policy, ref = build_model(len(tok), 0), build_model(len(tok), 1)
@@ -134,7 +134,7 @@ def test_sft_loss_gives_exactly_zero_gradient_to_system_user_and_template_tokens
 
 
 def test_raw_rows_train_the_response_and_eos(tmp_path):
-    from orchestrator.embedded_model import build_tokenizer
+    from orchestrator.models.embedded_model import build_tokenizer
 
     tok = build_tokenizer()
     ex = ExampleRenderer(tok, "raw").sft([{"role": "user", "content": "12+30="},
@@ -262,7 +262,7 @@ def test_recipe_stages_chain_models_and_command_line_overrides_apply_to_every_st
 
 
 def test_submit_checks_a_recipe_like_the_pipeline_before_contacting_the_cluster(tmp_path):
-    from orchestrator.jobs import submit
+    from orchestrator.ops.jobs import submit
     from orchestrator.recipes.pipeline import is_recipe
 
     bad = _recipe(tmp_path, BASE % (tmp_path / "run") + "stages: [{name: a, kind: sftt}]\n")

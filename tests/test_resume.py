@@ -155,7 +155,7 @@ def test_full_disk_during_checkpoint_keeps_previous_one(tmp_path):
         assert "checkpoint at step 2 failed" in r.stderr and "MB free" in r.stderr, r.stderr[-3000:]
         assert "step_000001 is intact" in r.stderr
         assert not list((run_dir / "checkpoints").glob(".tmp-*"))  # the partial write was cleaned up
-        from orchestrator import checkpoint as ckpt
+        from orchestrator.rl import checkpoint as ckpt
 
         good = ckpt.resolve("auto", run_dir)
         assert good.name == "step_000001" and (good / "policy" / "model.safetensors").exists()

@@ -16,7 +16,7 @@ def _save_tiny(path, num_labels=1, causal=False):
     """A random tiny Qwen2 (sequence classifier or causal LM) with the embedded char tokenizer."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
-    from orchestrator.embedded_model import build_tokenizer
+    from orchestrator.models.embedded_model import build_tokenizer
 
     tok = build_tokenizer()
     torch.manual_seed(0)
@@ -101,7 +101,7 @@ def test_bradley_terry_reward_model_from_pairs_served_by_the_orm_actor(tmp_path)
     (what the `orm-i` actors run) loads and that ranks the held-out pairs as the learner's last eval did."""
     import random
 
-    from orchestrator.recipes.prm import held_out
+    from orchestrator.loops.process_reward import held_out
     from rewards.prm import PRMWorker
     from rewards.tasks import make_task
 

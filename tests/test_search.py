@@ -11,9 +11,8 @@ import torch
 from learner.algorithms import step_token_rewards
 from learner.losses import LossScale, prm_loss
 from orchestrator.config import ConfigError, load_config
-from orchestrator.recipes.prm import held_out, load_labels, prm_batch, prm_example, step_targets
-from orchestrator.search.driver import Searcher, parse_methods
-from orchestrator.search.methods import (
+from orchestrator.evaluation.search.driver import Searcher, parse_methods
+from orchestrator.evaluation.search.methods import (
     Node,
     backup,
     best_index,
@@ -24,6 +23,7 @@ from orchestrator.search.methods import (
     top_k,
     ucb,
 )
+from orchestrator.loops.process_reward import held_out, load_labels, prm_batch, prm_example, step_targets
 from rewards.datasets import DatasetError
 from rewards.prm import aggregate, encode, split_steps, tagged_steps
 from rewards.tasks import ArithmeticTask, ChainTask, Prompt, chain_reward, step_truth
@@ -244,7 +244,7 @@ def test_held_out_split_is_by_prompt():
 
 
 def test_overrides_may_follow_options():
-    from orchestrator.cli import parse_args
+    from orchestrator.ops.cli import parse_args
 
     args = parse_args(["prm", "label", "-c", "configs/chain.yaml", "prm.prompts=8", "--out=x.jsonl", "prm.samples=2"])
     assert args.overrides == ["prm.prompts=8", "prm.samples=2"] and args.out == "x.jsonl"
@@ -255,7 +255,7 @@ def test_overrides_may_follow_options():
 
 
 def test_slow_bf16_warning_names_the_keys():
-    from orchestrator.console import slow_bf16_warning
+    from orchestrator.ops.console import slow_bf16_warning
 
     cfg = load_config(None, ["rollout.dtype=bfloat16", "learner.mixed_precision=bfloat16"])
     avx2 = "processor : 0\nflags : fpu sse avx2\n"

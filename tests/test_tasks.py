@@ -4,7 +4,7 @@ countdown verifier, and the multi-reward components GDPO consumes."""
 import pytest
 
 from orchestrator.config import ConfigError, DataConfig, load_config
-from orchestrator.embedded_model import CHARS
+from orchestrator.models.embedded_model import CHARS
 from rewards.functions import format_reward, is_correct, length_reward, load_reward_function, math_reward
 from rewards.tasks import (
     TASKS,

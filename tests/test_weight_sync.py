@@ -19,9 +19,9 @@ DRIVER = textwrap.dedent("""
     import ray, torch
     from safetensors.torch import load_file
     from orchestrator.config import load_config
-    from orchestrator.fleet import Fleet
-    from orchestrator.launch import init_ray
-    from orchestrator.trainer import Trainer
+    from orchestrator.rl.fleet import Fleet
+    from orchestrator.rl.launch import init_ray
+    from orchestrator.rl.trainer import Trainer
 
     run_dir, overrides = sys.argv[1], json.loads(sys.argv[2])
     cfg = load_config(None, [f"run.dir={run_dir}", "trainer.total_steps=3", "trainer.eval_every=0",

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from orchestrator.config.algorithms import (  # noqa: F401 - re-exported: the algorithm sections are part of the config
+from orchestrator.config.algorithm_sections import (  # noqa: F401 - re-exported: the algorithm sections are part of the config
     ALGORITHMS,
     AlgorithmConfig,
     DrGRPOConfig,

@@ -65,8 +65,8 @@ class CAIRun:
     def __init__(self, cfg: FleetConfig, n: int, judging: bool = False, fleet=None):
         """``fleet``: a fleet of this process to serve the command (a pipeline's): its learner loads ``model.path``
         and pushes it into the engines it keeps; without one the command starts engines of its own."""
-        from orchestrator.fleet import Fleet, Roles
-        from orchestrator.launch import init_ray, load_tokenizer, make_task
+        from orchestrator.rl.fleet import Fleet, Roles
+        from orchestrator.rl.launch import init_ray, load_tokenizer, make_task
         from workers.prompts import pad_token_id
 
         try:
@@ -190,7 +190,7 @@ def reward_judge(cfg: FleetConfig) -> Judge:
 def check_judge(cfg: FleetConfig, constitution: Constitution) -> list[int]:
     """The judge's option token ids; a judge model that is not a local causal LM with a chat template, or an
     option that is not one token of its tokenizer, is a ConfigError naming the key."""
-    from orchestrator.launch import load_tokenizer
+    from orchestrator.rl.launch import load_tokenizer
 
     path = cfg.cai.feedback_model or cfg.model.path
     key = "cai.feedback_model" if cfg.cai.feedback_model else "model.path"

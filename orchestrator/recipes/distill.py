@@ -34,10 +34,10 @@ def check_teacher(cfg: FleetConfig) -> Path:
 def teacher_data(cfg: FleetConfig, out: Path, fleet=None) -> dict:
     """Generate with the teacher, keep the verified samples, write them as SFT rows; returns the counts. ``fleet``
     (a pipeline's): the teacher's engines run on it (it serves the student next), else on a fleet of their own."""
-    from orchestrator.fleet import Fleet, Roles
-    from orchestrator.launch import make_task
+    from orchestrator.loops.rft import keep_verified
     from orchestrator.recipes.data import write_jsonl
-    from orchestrator.recipes.rft import keep_verified
+    from orchestrator.rl.fleet import Fleet, Roles
+    from orchestrator.rl.launch import make_task
     from rewards.functions import verdicts
 
     tree = cfg.model_dump()
@@ -70,8 +70,8 @@ def teacher_data(cfg: FleetConfig, out: Path, fleet=None) -> dict:
 
 
 def run_distill(cfg: FleetConfig, resume: str | None = None, fleet=None) -> dict:
-    from orchestrator.launch import init_ray
-    from orchestrator.recipes.sft import run_sft
+    from orchestrator.loops.sft import run_sft
+    from orchestrator.rl.launch import init_ray
 
     check_teacher(cfg)
     run_dir = Path(cfg.run.dir)

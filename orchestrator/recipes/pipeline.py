@@ -20,7 +20,7 @@ each stage (name, kind, status, held-out accuracy after it, seconds, model path,
 resumed from); rerunning the same command skips finished
 stages and resumes an interrupted one from its newest complete checkpoint.
 
-The stages run in this process, one after another on one fleet (:meth:`orchestrator.fleet.Fleet.serve`): the
+The stages run in this process, one after another on one fleet (:meth:`orchestrator.rl.fleet.Fleet.serve`): the
 learner ranks load each stage's starting model, loss and optimizer in place, the engines get its weights, and the
 reward actors stay, instead of a start-up per stage; a stage whose settings change a group's actors (ranks,
 engine settings, reward functions) gets new ones for that group. The data a stage writes first with
@@ -39,7 +39,6 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from orchestrator import checkpoint as ckpt
 from orchestrator.config import (
     ConfigError,
     FleetConfig,
@@ -48,6 +47,7 @@ from orchestrator.config import (
     dump_config,
     load_config,
 )
+from orchestrator.rl import checkpoint as ckpt
 from rewards.datasets import DatasetError, read_yaml_mapping
 
 COMMANDS = {"sft": "sft", "rl": "train", "rft": "rft", "distill": "distill", "dpo": "train", "reward_model": "train"}
@@ -182,7 +182,7 @@ def write_stage_data(kind: str, cfg: FleetConfig, n: int, out: Path, fleet) -> N
         try:
             summary = (revise if action == "revise" else prefer)(cfg, n, out, fleet=fleet)
         except Exception as e:
-            from orchestrator.console import describe_failure
+            from orchestrator.ops.console import describe_failure
 
             raise StageFailed(f"fleetrl cai {action} for {out} failed: {describe_failure(e) or repr(e)}") from e
         print(f"pipeline: cai {action}: {json.dumps(summary)}", flush=True)
@@ -318,7 +318,7 @@ def run_stage(st: Stage, summary: Summary, row: dict, fleet) -> None:
     try:
         run_kind(st.kind, cfg, resumed, fleet)
     except Exception as e:
-        from orchestrator.console import describe_failure
+        from orchestrator.ops.console import describe_failure
 
         row["status"] = "failed"
         summary.write()
@@ -334,17 +334,17 @@ def run_stage(st: Stage, summary: Summary, row: dict, fleet) -> None:
 
 def run_kind(kind: str, cfg: FleetConfig, resume: str | None, fleet) -> None:
     """A stage's training, as its command (:data:`COMMANDS`) runs it, on ``fleet``."""
-    from orchestrator.launch import ensure_model
+    from orchestrator.rl.launch import ensure_model
     from rewards.reward_model import ensure_reward_model
 
     ensure_model(cfg)
     ensure_reward_model(cfg.reward.model.path, cfg.model.path)
     if kind == "sft":
-        from orchestrator.recipes.sft import run_sft
+        from orchestrator.loops.sft import run_sft
 
         run_sft(cfg, resume, fleet=fleet)
     elif kind == "rft":  # a recipe's rounds are its trainer.total_steps (so one override shrinks every stage)
-        from orchestrator.recipes.rft import run_rft
+        from orchestrator.loops.rft import run_rft
 
         run_rft(cfg, cfg.trainer.total_steps, resume, fleet=fleet)
     elif kind == "distill":
@@ -352,7 +352,7 @@ def run_kind(kind: str, cfg: FleetConfig, resume: str | None, fleet) -> None:
 
         run_distill(cfg, resume, fleet=fleet)
     else:
-        from orchestrator.trainer import run_training
+        from orchestrator.rl.trainer import run_training
 
         run_training(cfg, resume, fleet=fleet)
 
@@ -373,8 +373,8 @@ def run_pipeline(recipe: str, overrides: list[str], fleet=None) -> int:
     run_dir = stages[0].dir.parent
     run_dir.mkdir(parents=True, exist_ok=True)
     summary = Summary(run_dir / "summary.json", stages)
-    from orchestrator.fleet import Fleet, Roles
-    from orchestrator.launch import init_ray
+    from orchestrator.rl.fleet import Fleet, Roles
+    from orchestrator.rl.launch import init_ray
 
     init_ray(stages[0].cfg)
     own = fleet is None

@@ -20,7 +20,7 @@ import inspect
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from workers.registry import Registry
+from common.registry import Registry
 
 Message = dict
 """``{"role": "system" | "user" | "assistant" | "tool", "content": str}`` (+ ``"name"`` on tool messages)."""

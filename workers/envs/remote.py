@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 
-from workers.actor_logs import LoggedActor
+from common.actor_logs import LoggedActor
 from workers.envs.api import Action, Environment, Message, StepResult, call
 from workers.envs.tool_env import make_environment
 

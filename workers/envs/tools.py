@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from common.registry import Registry
 from workers.envs.api import call
-from workers.registry import Registry
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ Each round, on the same actors as `fleetrl train`:
     (summed reward >= `rft.threshold`, identical completions of a prompt kept once) -> one supervised update on
     them through the DeepSpeed learner group -> push the weights to the engines
 
-The update is the registered ``sft`` loss (the token-mean NLL of the kept completions, :mod:`orchestrator.recipes.sft`)
+The update is the registered ``sft`` loss (the token-mean NLL of the kept completions, :mod:`orchestrator.loops.sft`)
 on the same learner group. The loop, evals, checkpoints and the final policy are the Trainer's
 (:class:`RFTTrainer` replaces only the training step); one row per round goes to ``<run.dir>/metrics.jsonl``.
 """
@@ -18,10 +18,10 @@ import logging
 from pathlib import Path
 
 from orchestrator.config import ConfigError, FleetConfig
-from orchestrator.metrics import PhaseTimer
+from orchestrator.loops.sft import objective_config
+from orchestrator.ops.metrics import PhaseTimer
 from orchestrator.recipes.data import examples_batch, sample_example
-from orchestrator.recipes.sft import objective_config
-from orchestrator.trainer import StepResult, Trainer, learner_metrics
+from orchestrator.rl.trainer import StepResult, Trainer, learner_metrics
 from workers.records import ScoredSample
 
 log = logging.getLogger("fleetrl")
@@ -41,7 +41,7 @@ def keep_verified(scored: list[ScoredSample], threshold: float) -> list[ScoredSa
 
 def rft_config(cfg: FleetConfig, rounds: int | None = None) -> FleetConfig:
     """The config RFT runs with: ``rft.rounds`` (or ``rounds``) training steps, an eval after every round, and the
-    ``sft`` objective (:func:`orchestrator.recipes.sft.objective_config`: no advantage estimator, no critic)."""
+    ``sft`` objective (:func:`orchestrator.loops.sft.objective_config`: no advantage estimator, no critic)."""
     if rounds is not None and rounds < 1:
         raise ConfigError(f"--rounds {rounds}: RFT needs at least 1 round")
     tree = objective_config(cfg, {"name": "sft"}).model_dump()
@@ -89,7 +89,7 @@ class RFTTrainer(Trainer):
 
 def run_rft(cfg: FleetConfig, rounds: int | None = None, resume: str | None = None, fleet=None) -> list[dict]:
     """Check the run directory, start (or join) Ray, run the rounds; returns the per-round rows."""
-    from orchestrator.trainer import run_training
+    from orchestrator.rl.trainer import run_training
 
     cfg = rft_config(cfg, rounds)
     if (Path(cfg.run.dir) / "metrics.jsonl").exists() and not resume:

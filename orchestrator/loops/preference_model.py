@@ -18,12 +18,12 @@ import time
 
 from learner.losses import tag_log_odds
 from orchestrator.config import ConfigError, FleetConfig
-from orchestrator.fleet import Roles, training_roles
-from orchestrator.metrics import PhaseTimer
+from orchestrator.loops.process_reward import PRMExample, held_out, prm_batch
+from orchestrator.ops.metrics import PhaseTimer
 from orchestrator.recipes.data import draw, load_pairs
-from orchestrator.recipes.prm import PRMExample, held_out, prm_batch
-from orchestrator.steps import step_separator
-from orchestrator.trainer import StepResult, Trainer, learner_metrics
+from orchestrator.rl.fleet import Roles, training_roles
+from orchestrator.rl.steps import step_separator
+from orchestrator.rl.trainer import StepResult, Trainer, learner_metrics
 from rewards.prm import encode, split_steps, tag_id, write_meta
 from workers.prompts import PromptRenderer
 

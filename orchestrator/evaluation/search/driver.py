@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from orchestrator.config import ConfigError, FleetConfig
-from orchestrator.search.methods import Node, backup, best_index, majority_vote, select_leaf, top_k
+from orchestrator.evaluation.search.methods import Node, backup, best_index, majority_vote, select_leaf, top_k
 from rewards.answers import vote_key
 from rewards.functions import answer_keys, verdicts
 from rewards.prm import AGGREGATIONS, aggregate
@@ -275,10 +275,10 @@ def run_search(cfg: FleetConfig, checkpoint: str | None, methods: list[str], bud
                out: str | None = None, fleet=None) -> dict:
     """Every method at every budget on the held-out prompts; writes ``search.json`` and ``search.png`` in
     ``out`` (default ``<run.dir>/search``) and returns the report. ``fleet``: run on it (kept up)."""
-    from orchestrator.evaluate import resolve_model_dir
-    from orchestrator.fleet import Fleet, Roles
-    from orchestrator.launch import init_ray, load_tokenizer, make_task
-    from orchestrator.steps import step_separator
+    from orchestrator.evaluation.evaluate import resolve_model_dir
+    from orchestrator.rl.fleet import Fleet, Roles
+    from orchestrator.rl.launch import init_ray, load_tokenizer, make_task
+    from orchestrator.rl.steps import step_separator
 
     cfg = cfg.model_copy(deep=True)
     if checkpoint:

@@ -25,7 +25,7 @@ import time
 
 from learner.batch import build_batch
 from orchestrator.config import FleetConfig
-from orchestrator.pools import LearnerGroup, RolloutPool, get_ranks
+from orchestrator.rl.pools import LearnerGroup, RolloutPool, get_ranks
 from rewards.tasks import Prompt
 
 log = logging.getLogger("fleetrl")

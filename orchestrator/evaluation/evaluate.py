@@ -95,8 +95,8 @@ def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "re
         raise ConfigError("--select reward_model needs a reward model: set reward.model.path")
     cfg = cfg.model_copy(deep=True)
     cfg.model.path = str(resolve_model_dir(checkpoint))
-    from orchestrator.fleet import Fleet, Roles
-    from orchestrator.launch import init_ray, make_task
+    from orchestrator.rl.fleet import Fleet, Roles
+    from orchestrator.rl.launch import init_ray, make_task
     from rewards.functions import verdicts, verify_timeouts
 
     task = make_task(cfg)
@@ -137,7 +137,7 @@ def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "re
 
 def _episodes(greedy: list) -> dict:
     """The greedy episodes' tool use (``env.name`` set): the ``eval/*`` numbers a training run logs."""
-    from orchestrator.episodes import eval_episode_metrics
+    from orchestrator.rl.episode_metrics import eval_episode_metrics
 
     return {"greedy_" + k.removeprefix("eval/"): v for k, v in eval_episode_metrics(greedy).items()}
 

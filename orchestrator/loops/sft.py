@@ -12,10 +12,10 @@ import logging
 import time
 
 from orchestrator.config import ConfigError, FleetConfig
-from orchestrator.fleet import Roles, training_roles
-from orchestrator.metrics import PhaseTimer
+from orchestrator.ops.metrics import PhaseTimer
 from orchestrator.recipes.data import Example, ExampleRenderer, draw, examples_batch, load_sft_rows
-from orchestrator.trainer import StepResult, Trainer, learner_metrics
+from orchestrator.rl.fleet import Roles, training_roles
+from orchestrator.rl.trainer import StepResult, Trainer, learner_metrics
 from rewards.datasets import DatasetError
 
 log = logging.getLogger("fleetrl")
@@ -84,6 +84,6 @@ class SFTTrainer(Trainer):
 
 
 def run_sft(cfg: FleetConfig, resume: str | None = None, fleet=None) -> list[dict]:
-    from orchestrator.trainer import run_training
+    from orchestrator.rl.trainer import run_training
 
     return run_training(cfg, resume=resume, loop=SFTTrainer, fleet=fleet)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from orchestrator.config import EMBEDDED_MODEL_PATH, EMBEDDED_MODELS, ConfigError, FleetConfig, dump_config, load_config
-from orchestrator.launch import KIND_ARGS, ensure_model
+from orchestrator.rl.launch import KIND_ARGS, ensure_model
 from rewards.datasets import DatasetError
 
 
@@ -77,7 +77,7 @@ def _cluster_parsers(sub) -> None:
 
 def _cluster_command(args) -> int:
 
-    from orchestrator import jobs
+    from orchestrator.ops import jobs
 
     if args.command == "submit":
         env = dict(kv.split("=", 1) for kv in args.env)
@@ -190,7 +190,7 @@ def _config_command(args, cfg: FleetConfig, fleet) -> int:
         print(json.dumps((revise if args.action == "revise" else prefer)(cfg, args.n, args.out, fleet=fleet)))
         return 0
     if args.command == "prm" and args.action == "label":
-        from orchestrator.recipes.prm import run_label
+        from orchestrator.loops.process_reward import run_label
 
         run_label(cfg, args.out or str(Path(cfg.run.dir) / "prm_labels.jsonl"), fleet=fleet)
         return 0
@@ -198,10 +198,10 @@ def _config_command(args, cfg: FleetConfig, fleet) -> int:
 
 
 def _eval(args, cfg: FleetConfig, fleet) -> int:
-    from orchestrator.evaluate import parse_ns, run_eval
+    from orchestrator.evaluation.evaluate import parse_ns, run_eval
 
     if args.search:
-        from orchestrator.search.driver import parse_methods, run_search
+        from orchestrator.evaluation.search.driver import parse_methods, run_search
 
         run_search(cfg, args.checkpoint, parse_methods(args.search), parse_ns(args.budgets), args.out, fleet=fleet)
         return 0
@@ -214,17 +214,17 @@ def _eval(args, cfg: FleetConfig, fleet) -> int:
 def _run_training_command(args, cfg: FleetConfig, fleet) -> None:
     """`train`, `prm train`, `rft`, `sft`, `distill`."""
     if args.command == "prm":
-        from orchestrator.recipes.prm import run_prm_train
+        from orchestrator.loops.process_reward import run_prm_train
 
         if args.labels:
             cfg.prm.labels = args.labels
         run_prm_train(cfg, args.resume, fleet=fleet)
     elif args.command == "rft":
-        from orchestrator.recipes.rft import run_rft
+        from orchestrator.loops.rft import run_rft
 
         run_rft(cfg, args.rounds, args.resume, fleet=fleet)
     elif args.command == "sft":
-        from orchestrator.recipes.sft import run_sft
+        from orchestrator.loops.sft import run_sft
 
         run_sft(cfg, args.resume, fleet=fleet)
     elif args.command == "distill":
@@ -232,14 +232,14 @@ def _run_training_command(args, cfg: FleetConfig, fleet) -> None:
 
         run_distill(cfg, args.resume, fleet=fleet)
     else:
-        from orchestrator.trainer import run_training
+        from orchestrator.rl.trainer import run_training
 
         run_training(cfg, resume=args.resume, fleet=fleet)
 
 
 def _init_model(args) -> int:
     """`init-model`: the embedded model, or a real one converted from GGUF and checked against vLLM."""
-    from orchestrator import model_import
+    from orchestrator.models import model_import
 
     if args.gguf is not None and args.out is None:
         print("fleetrl: init-model --gguf FILE needs --out DIR", file=sys.stderr)
@@ -251,7 +251,7 @@ def _init_model(args) -> int:
         print(f"{out} exists (use --force to rebuild)")
         return 0
     if not real:
-        from orchestrator.embedded_model import init_model
+        from orchestrator.models.embedded_model import init_model
 
         kwargs = dict(KIND_ARGS[args.kind])
         if args.kind in ("arith", "think", "chain") and args.target_accuracy is not None:
@@ -270,9 +270,9 @@ def _init_model(args) -> int:
 
 def _training(run, cfg: FleetConfig) -> int:
     """Run a training command: a failure inside an actor is reported with the actor's name and its log file."""
-    from orchestrator.console import describe_failure
-    from orchestrator.pools import LearnerDied
-    from orchestrator.trainer import BadTraining, CheckpointFailed, RewardsFailing
+    from orchestrator.ops.console import describe_failure
+    from orchestrator.rl.pools import LearnerDied
+    from orchestrator.rl.trainer import BadTraining, CheckpointFailed, RewardsFailing
 
     try:
         run()
@@ -310,9 +310,9 @@ def load_run_config(path: str | None, overrides: list[str], stage: str | None) -
 
 def show_config(path: str | None, overrides: list[str], stage: str | None) -> str:
     """`config show`: the resolved config as YAML, after every check a run of it makes at load
-    (:func:`orchestrator.recipes.prepare`); a pipeline recipe without ``--stage``: every stage's, after the
+    (:func:`orchestrator.loops.prepare`); a pipeline recipe without ``--stage``: every stage's, after the
     pipeline's own checks."""
-    from orchestrator.recipes import prepare
+    from orchestrator.loops import prepare
     from orchestrator.recipes.pipeline import check_inputs, is_recipe, load_recipe
 
     if path and is_recipe(path) and stage is None:
@@ -339,10 +339,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None, fleet=None) -> int:
-    """Run one command; its exit status. ``fleet``: an :class:`orchestrator.fleet.Fleet` of this process that
+    """Run one command; its exit status. ``fleet``: an :class:`orchestrator.rl.fleet.Fleet` of this process that
     the command runs on, kept up afterwards (a process that runs several commands in turn, as a pipeline does)."""
     args = parse_args(argv)
-    if args.command != "train":  # a training run sends its log to <run.dir>/logs/driver.log (orchestrator.console)
+    if args.command != "train":  # a training run sends its log to <run.dir>/logs/driver.log (orchestrator.ops.console)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         if args.command in ("submit", "status", "scale", "stop"):
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None, fleet=None) -> int:
         cfg = load_run_config(args.config, overrides, args.stage)
         ensure_model(cfg)
         if args.command == "train":
-            from orchestrator.recipes import prepare
+            from orchestrator.loops import prepare
 
             prepare(cfg)  # every input checked before Ray starts or any run file is written
         from rewards.reward_model import ensure_reward_model
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None, fleet=None) -> int:
         print(f"fleetrl: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        from orchestrator.pools import StartupTimeout
+        from orchestrator.rl.pools import StartupTimeout
 
         if not isinstance(e, StartupTimeout):
             raise
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None, fleet=None) -> int:
 
 
 def _export(args) -> int:
-    from orchestrator.checkpoint import export_policy
+    from orchestrator.rl.checkpoint import export_policy
 
     try:
         print(export_policy(Path(args.source), Path(args.out), adapter=args.adapter, force=args.force))

@@ -14,17 +14,17 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from common.actor_logs import actor_env
 from learner.algorithms import critic_loss_kwargs
 from learner.algorithms import loss_kwargs as policy_loss_kwargs
 from learner.batch import TrainBatch
 from learner.packing import Layout
 from learner.worker import LearnerSpec, LearnerWorker, ds_config
 from orchestrator.config import FleetConfig
-from orchestrator.console import actor_failed, actor_label, remember_actor
+from orchestrator.ops.console import actor_failed, actor_label, remember_actor
 from rewards.reward_model import RewardModelWorker
 from rewards.tasks import Prompt
 from rewards.worker import RewardWorker
-from workers.actor_logs import actor_env
 from workers.records import Sample, ScoredSample
 from workers.rollout import CPU_ENV, EngineSpec, RolloutWorker
 

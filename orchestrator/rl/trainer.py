@@ -20,17 +20,17 @@ import torch
 
 from learner.algorithms import advantage_inputs, assemble_advantages
 from learner.batch import TrainBatch, build_batch
-from orchestrator import checkpoint as ckpt
 from orchestrator.config import FleetConfig, dump_config
-from orchestrator.console import Console, banner, sample_line, slow_bf16_warning
-from orchestrator.episodes import drop_errored_groups, episode_metrics, eval_episode_metrics
-from orchestrator.fleet import Fleet, Roles, check_resources, check_this_machine, training_roles
-from orchestrator.launch import init_ray, load_tokenizer, make_task
-from orchestrator.metrics import MetricsLogger, PhaseTimer
-from orchestrator.pools import LearnerDied, Update, gather_update
-from orchestrator.run_status import RunStatus
-from orchestrator.samples import eval_records, restate_frac, shown, write_eval_samples
-from orchestrator.steps import process_separator, step_ends
+from orchestrator.evaluation.samples import eval_records, restate_frac, shown, write_eval_samples
+from orchestrator.ops.console import Console, banner, sample_line, slow_bf16_warning
+from orchestrator.ops.metrics import MetricsLogger, PhaseTimer
+from orchestrator.ops.run_status import RunStatus
+from orchestrator.rl import checkpoint as ckpt
+from orchestrator.rl.episode_metrics import drop_errored_groups, episode_metrics, eval_episode_metrics
+from orchestrator.rl.fleet import Fleet, Roles, check_resources, check_this_machine, training_roles
+from orchestrator.rl.launch import init_ray, load_tokenizer, make_task
+from orchestrator.rl.pools import LearnerDied, Update, gather_update
+from orchestrator.rl.steps import process_separator, step_ends
 from rewards.functions import verdicts, verify_timeouts
 from workers.prompts import pad_token_id
 from workers.records import Collected, ScoredSample
@@ -67,7 +67,7 @@ class Trainer:
 
     @classmethod
     def prepare(cls, cfg: FleetConfig) -> FleetConfig:
-        """The config this loop runs with, its inputs checked at load (see :func:`orchestrator.recipes.prepare`):
+        """The config this loop runs with, its inputs checked at load (see :func:`orchestrator.loops.prepare`):
         the task's data read and checked, a loop that scores samples needs a reward, and every user reward
         function is called once on a sample of the task."""
         check_rewards(cfg)
@@ -75,12 +75,12 @@ class Trainer:
 
     @classmethod
     def roles(cls, cfg: FleetConfig) -> Roles:
-        """The actors this loop uses (:func:`orchestrator.fleet.training_roles`): RL generates every step."""
+        """The actors this loop uses (:func:`orchestrator.rl.fleet.training_roles`): RL generates every step."""
         return training_roles(cfg, generates=True)
 
     def start(self, fleet: Fleet | None = None) -> None:
         """Create the run directory and start the loop's fleet, or have ``fleet`` serve this run
-        (:meth:`orchestrator.fleet.Fleet.serve`)."""
+        (:meth:`orchestrator.rl.fleet.Fleet.serve`)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
         if self.resume_from:
@@ -532,7 +532,7 @@ class Trainer:
             "response/truncated_frac": sum(x.sample.finish_reason == "length" for x in scored) / len(scored),
             # |learner - engine| logprob of the batch's tokens: rounding for samples of the current version, plus
             # the updates since for older ones (one_step_off), which the truncated IS weighs. Whether the push
-            # arrived is weight_sync/logprob_max_diff (orchestrator/weight_sync.py), in every mode.
+            # arrived is weight_sync/logprob_max_diff (orchestrator/rl/weight_sync.py), in every mode.
             "rollout/logprob_gap_max": diff.max().item() if diff.numel() else 0.0,
             "rollout/policy_version_min": min(x.sample.policy_version for x in scored),
             "rollout/staleness_max": staleness,
@@ -626,7 +626,7 @@ def run_training(cfg: FleetConfig, resume: str | None = None, loop: type | None 
     """Check the inputs, join or start Ray, then run the loop (``loop``: default the config's, :func:`orchestrator.
     recipes.loop_for`) on its own fleet, or on ``fleet`` (kept up after the run). The driver's own log goes to
     ``<run.dir>/logs/driver.log``."""
-    from orchestrator.recipes import loop_for
+    from orchestrator.loops import loop_for
 
     loop = loop or loop_for(cfg)
     cfg = loop.prepare(cfg)

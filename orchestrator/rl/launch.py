@@ -53,7 +53,7 @@ def make_task(cfg: FleetConfig):
 
 
 def load_tokenizer(path: str):
-    from workers.imports import import_transformers
+    from common.imports import import_transformers
 
     import_transformers()  # without its scikit-learn hook: 2.5 s less of every run's start-up
     from transformers import AutoTokenizer
@@ -112,7 +112,7 @@ def ensure_model(cfg: FleetConfig) -> None:
         check_model_dir(path, "model.path")
         return
     if cfg.model.path in EMBEDDED_MODELS:
-        from orchestrator.embedded_model import init_model
+        from orchestrator.models.embedded_model import init_model
 
         kind = EMBEDDED_MODELS[cfg.model.path]
         print(f"embedded model missing: building it in {path} (fleetrl init-model --kind {kind})", flush=True)

@@ -3,7 +3,7 @@
 By default the console holds fleetrl's own output: a start banner, a live progress bar of the steps (ETA, reward,
 accuracy, s/step; in a non-TTY such as a Ray job log or CI, one plain line per step instead), one line per eval,
 and the warnings that matter (an actor restarted, a step skipped, reward errors). Every actor's own output is in
-``<run.dir>/logs/<actor>.log`` (:mod:`workers.actor_logs`), the driver's full log in ``logs/driver.log``.
+``<run.dir>/logs/<actor>.log`` (:mod:`common.actor_logs`), the driver's full log in ``logs/driver.log``.
 ``run.verbose`` (``fleetrl train --verbose``) shows everything on the console as well.
 
 An actor that fails is named in the error the user sees, with the path of its log (:func:`describe_failure`).
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.metrics import progress_line
+from orchestrator.ops.metrics import progress_line
 
 if TYPE_CHECKING:
     from orchestrator.config import FleetConfig
@@ -187,7 +187,7 @@ def _postfix(m: dict) -> str:
 
 
 def banner(cfg, actors: str, dashboard: str | None, startup_s: float | None = None) -> list[str]:
-    """The lines printed once the actors are up: roles and counts (:meth:`orchestrator.fleet.Fleet.describe`),
+    """The lines printed once the actors are up: roles and counts (:meth:`orchestrator.rl.fleet.Fleet.describe`),
     how long they took, and where to look."""
     run = Path(cfg.run.dir)
     lines = [

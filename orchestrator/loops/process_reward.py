@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 
 from orchestrator.config import ConfigError, FleetConfig
-from orchestrator.fleet import Roles, training_roles
-from orchestrator.metrics import PhaseTimer
+from orchestrator.evaluation.search.methods import mc_labels
+from orchestrator.ops.metrics import PhaseTimer
 from orchestrator.recipes.data import Example, draw, examples_batch, read_jsonl, write_jsonl
-from orchestrator.search.methods import mc_labels
-from orchestrator.steps import step_ends, step_separator
-from orchestrator.trainer import StepResult, Trainer, learner_metrics
+from orchestrator.rl.fleet import Roles, training_roles
+from orchestrator.rl.steps import step_ends, step_separator
+from orchestrator.rl.trainer import StepResult, Trainer, learner_metrics
 from rewards.datasets import DatasetError
 from rewards.prm import encode, tag_id, write_meta
 
@@ -60,8 +60,8 @@ def token_steps(tokenizer, completion_ids: list[int], separator: str) -> list[tu
 def run_label(cfg: FleetConfig, out: str, fleet=None) -> dict:
     """Label the policy's solutions (see the module doc); returns the summary written to ``label.json``.
     ``fleet``: run on it (kept up)."""
-    from orchestrator.fleet import Fleet, Roles
-    from orchestrator.launch import init_ray, load_tokenizer, make_task
+    from orchestrator.rl.fleet import Fleet, Roles
+    from orchestrator.rl.launch import init_ray, load_tokenizer, make_task
     from rewards.functions import verdicts
     from rewards.tasks import step_truth
 
@@ -189,7 +189,7 @@ def auc(scores: list[float], labels: list[int]) -> float | None:
 
 def prm_config(cfg: FleetConfig) -> FleetConfig:
     """The PRM objective's config, ``prm.labels`` read and its held-out split checked."""
-    from orchestrator.recipes.sft import objective_config
+    from orchestrator.loops.sft import objective_config
 
     if not cfg.prm.labels:
         raise ConfigError("prm.labels: give the JSONL written by `fleetrl prm label` (or --labels FILE)")
@@ -270,6 +270,6 @@ class PRMTrainer(Trainer):
 
 
 def run_prm_train(cfg: FleetConfig, resume: str | None = None, fleet=None) -> list[dict]:
-    from orchestrator.trainer import run_training
+    from orchestrator.rl.trainer import run_training
 
     return run_training(cfg, resume=resume, loop=PRMTrainer, fleet=fleet)

@@ -16,8 +16,7 @@ import torch
 
 from learner.algorithms import preference_pairs
 from orchestrator.config import FleetConfig
-from orchestrator.fleet import Roles, training_roles
-from orchestrator.metrics import PhaseTimer
+from orchestrator.ops.metrics import PhaseTimer
 from orchestrator.recipes.data import (
     Example,
     ExampleRenderer,
@@ -26,7 +25,8 @@ from orchestrator.recipes.data import (
     load_pairs,
     sample_example,
 )
-from orchestrator.trainer import StepResult, Trainer, learner_metrics
+from orchestrator.rl.fleet import Roles, training_roles
+from orchestrator.rl.trainer import StepResult, Trainer, learner_metrics
 
 log = logging.getLogger("fleetrl")
 

@@ -58,14 +58,14 @@ def training_roles(cfg: FleetConfig, generates: bool, engine_evals: bool = True)
 
 class Fleet:
     """The actor groups of one command (None where a role is not used): ``learner``, ``critic``
-    (:class:`~orchestrator.pools.LearnerGroup`), ``rollouts``, ``rewards``, ``envs``, ``prm``, ``orm``,
+    (:class:`~orchestrator.rl.pools.LearnerGroup`), ``rollouts``, ``rewards``, ``envs``, ``prm``, ``orm``,
     ``feedback`` (pools), ``controller`` and, with a learner and engines, ``weight_sync``."""
 
     def __init__(self, cfg: FleetConfig, roles: Roles, judge=None):
         """Create every group of ``roles`` without waiting (see :meth:`start`). ``judge``: the ``judge`` reward
         (:class:`rewards.judge.Judge`), asked through the feedback engines or the policy's."""
-        from orchestrator.launch import max_model_len
-        from orchestrator.pools import EnvPool, LearnerGroup, PRMPool, RewardPool, RolloutPool
+        from orchestrator.rl.launch import max_model_len
+        from orchestrator.rl.pools import EnvPool, LearnerGroup, PRMPool, RewardPool, RolloutPool
 
         self.cfg, self.roles, self.startup_s = cfg, roles, None
         self.t0 = time.perf_counter()
@@ -88,14 +88,14 @@ class Fleet:
     @classmethod
     def start(cls, cfg: FleetConfig, roles: Roles, judge=None, probe: tuple | None = None) -> Fleet:
         """A fleet whose actors are all ready. ``probe``: ``(prompts, pad_id)`` for the weight push's check
-        (:mod:`orchestrator.weight_sync`), needed when the roles hold a learner and engines. A start that fails
+        (:mod:`orchestrator.rl.weight_sync`), needed when the roles hold a learner and engines. A start that fails
         stops what it started."""
         check_resources(cfg, roles)
         fleet = cls(cfg, roles, judge)
         try:
             fleet.wait()
             if fleet.learner and fleet.rollouts:
-                from orchestrator.weight_sync import make_weight_sync
+                from orchestrator.rl.weight_sync import make_weight_sync
 
                 fleet.weight_sync = make_weight_sync(cfg, fleet.learner, fleet.rollouts, *probe)
         except BaseException:
@@ -141,7 +141,7 @@ class Fleet:
         self.wait()
         self.weight_sync = None
         if self.learner and self.rollouts:
-            from orchestrator.weight_sync import make_weight_sync
+            from orchestrator.rl.weight_sync import make_weight_sync
 
             self.weight_sync = make_weight_sync(cfg, self.learner, self.rollouts, *probe)
             if "rollout" in kept:  # the engines hold the last run's weights: the run starts from its own
@@ -200,7 +200,7 @@ class Fleet:
         """Every kept actor writes its output under ``<run.dir>/logs`` from now on."""
         import ray
 
-        from orchestrator.console import log_dir, remember_actor
+        from orchestrator.ops.console import log_dir, remember_actor
 
         handles = [w for role, ws in self.workers().items() if role.split("-")[0] in kept for w in ws]
         paths = ray.get([w.log_to.remote(str(log_dir(cfg.run.dir))) for w in handles])
@@ -229,8 +229,8 @@ class Fleet:
         return {k: g for k, g in named.items() if g is not None}
 
     def wait(self) -> None:
-        """Block until every actor has started (:func:`orchestrator.pools.wait_ready`)."""
-        from orchestrator.pools import wait_ready
+        """Block until every actor has started (:func:`orchestrator.rl.pools.wait_ready`)."""
+        from orchestrator.rl.pools import wait_ready
 
         wait_ready(*self.groups().values(), timeout_s=self.cfg.run.startup_timeout_s)
 
@@ -286,7 +286,7 @@ class Fleet:
     def _controller(self):
         from pathlib import Path
 
-        from orchestrator.controller import start_controller
+        from orchestrator.ops.controller import start_controller
 
         c = self.cfg
         return start_controller(Path(c.run.dir).name, c.rollout.num_workers if self.rollouts else 0,
@@ -367,8 +367,8 @@ def fit_keys(cfg: FleetConfig) -> dict[str, object]:
     key is the same can use them (:meth:`Fleet.serve`)."""
     from dataclasses import replace
 
-    from orchestrator.launch import max_model_len
-    from orchestrator.pools import engine_spec, engine_threads, placement_key
+    from orchestrator.rl.launch import max_model_len
+    from orchestrator.rl.pools import engine_spec, engine_threads, placement_key
 
     c = cfg.model_dump(mode="json")
     r = c["rollout"]
@@ -391,7 +391,7 @@ def model_shape(path: str) -> tuple:
     import hashlib
     import json
 
-    from orchestrator.launch import load_tokenizer
+    from orchestrator.rl.launch import load_tokenizer
 
     try:
         arch = json.loads((Path(path) / "config.json").read_text())
@@ -406,8 +406,8 @@ def model_shape(path: str) -> tuple:
 
 def _feedback_engines(cfg: FleetConfig):
     """The `judge-i` engines of ``cai.feedback_model`` (one engine, no system prompt; ``cai.judge: model``)."""
-    from orchestrator.launch import max_model_len
-    from orchestrator.pools import JudgePool
+    from orchestrator.rl.launch import max_model_len
+    from orchestrator.rl.pools import JudgePool
 
     judge_cfg = cfg.model_copy(deep=True)
     judge_cfg.model.path = cfg.cai.feedback_model

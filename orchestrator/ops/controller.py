@@ -10,7 +10,7 @@
 - **Graceful stop.** ``fleetrl stop`` calls :meth:`FleetController.request_stop`; the driver finishes the step it
   is in, evaluates, writes the final policy and exits 0.
 - **Status** is not kept here: ``fleetrl status``, ``scale`` and ``stop`` read the driver's status record
-  (:mod:`orchestrator.run_status`), which outlives the run.
+  (:mod:`orchestrator.ops.run_status`), which outlives the run.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class FleetController:
 
     def report(self, metrics: dict) -> None:
         """One step's metrics from the driver: export the fleetrl_* metrics (the run's status record is the
-        driver's, :mod:`orchestrator.run_status`)."""
+        driver's, :mod:`orchestrator.ops.run_status`)."""
         for name, (kind, _, key) in METRICS.items():
             value = metrics.get(key)
             if value is None:

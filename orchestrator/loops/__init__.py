@@ -1,0 +1,31 @@
+"""Recipes built from the same actors as `fleetrl train`: supervised fine-tuning (`sft`), rejection-sampling
+fine-tuning (`rft`), distillation (`distill`), DPO data, cold-start data, and multi-stage pipelines (`pipeline`).
+
+The training loop of a config is chosen once, here, from its algorithm's objective (:data:`LOOPS`); the loop's
+``prepare`` checks every input it will read (data files, pairs geometry, labels) at load, before any actor."""
+
+from __future__ import annotations
+
+import importlib
+
+LOOPS = {
+    "policy": "orchestrator.rl.trainer:Trainer",
+    "sft": "orchestrator.loops.sft:SFTTrainer",
+    "dpo": "orchestrator.loops.dpo:DPOTrainer",
+    "bradley_terry": "orchestrator.loops.preference_model:RewardModelTrainer",
+    "prm": "orchestrator.loops.process_reward:PRMTrainer",
+}
+"""Objective (the algorithm config class's ``objective``) -> its loop."""
+
+
+def loop_for(cfg) -> type:
+    """The loop that trains ``cfg``'s objective: policy gradients (:class:`orchestrator.rl.trainer.Trainer`), SFT,
+    DPO, a Bradley-Terry reward model or a PRM."""
+    module, name = LOOPS[cfg.algorithm.objective].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def prepare(cfg):
+    """The config ``cfg``'s loop runs with, every input it reads checked (a ConfigError or DatasetError naming the
+    key, file and line): what `fleetrl config show` and every training command do at load."""
+    return loop_for(cfg).prepare(cfg)
