@@ -637,9 +637,26 @@ def run_training(cfg: FleetConfig, resume: str | None = None, loop: type | None 
     console = Console(verbose=cfg.run.verbose)
     console.setup_logging(Path(cfg.run.dir))
     # the loop (its imports, task and tokenizer) before Ray: a Ray job's driver loses its working directory once it
-    # joins the cluster, and transformers and torch read it when they are first imported
+    # joins the cluster (its files are unpacked again while its first actors start), and transformers and torch
+    # read it when they are first imported; so are the modules the run imports lazily while its actors start
     trainer = loop(cfg, resume, console)
+    preload_driver_modules()
     trainer.dashboard = init_ray(cfg)
     if fleet is None:
         check_resources(cfg, loop.roles(cfg))  # GPUs or resources the cluster lacks: refused before any actor
     return trainer.run(fleet)
+
+
+DRIVER_MODULES = ("orchestrator.ops.trackers", "orchestrator.ops.controller", "orchestrator.rl.weight_sync",
+                  "orchestrator.evaluation.samples", "workers.weight_buckets", "workers.nccl_sync")
+"""Modules a training run imports lazily while its fleet starts (:func:`preload_driver_modules`)."""
+
+
+def preload_driver_modules() -> None:
+    """Import :data:`DRIVER_MODULES` now: a Ray job's driver that imports them after joining the cluster can find
+    its working directory's files gone for a moment (test_cluster: ``No module named 'orchestrator.ops.trackers'``
+    from the two-node cluster's job)."""
+    import importlib
+
+    for name in DRIVER_MODULES:
+        importlib.import_module(name)
