@@ -1,5 +1,6 @@
-"""Recipes built from the same actors as `fleetrl train`: supervised fine-tuning (`sft`), rejection-sampling
-fine-tuning (`rft`), distillation (`distill`), DPO data, cold-start data, and multi-stage pipelines (`pipeline`).
+"""The training loops besides RL, on the same actors as `fleetrl train`: supervised fine-tuning (`sft`), DPO
+(`dpo`), the Bradley-Terry reward model (`preference_model`), the process reward model (`process_reward`: labels and
+training) and rejection-sampling fine-tuning (`rft`).
 
 The training loop of a config is chosen once, here, from its algorithm's objective (:data:`LOOPS`); the loop's
 ``prepare`` checks every input it will read (data files, pairs geometry, labels) at load, before any actor."""
