@@ -34,8 +34,10 @@ smollm2: setup
 train: model
 	$(VENV)/bin/fleetrl train -c configs/default.yaml
 
+# ruff (with its size rules C901 and PLR0913), and mypy on the learner and the config package ([tool.mypy])
 lint: setup
 	$(VENV)/bin/ruff check orchestrator workers learner rewards common tests
+	$(VENV)/bin/mypy
 
 test: setup lint
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests

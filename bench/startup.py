@@ -160,13 +160,14 @@ def profile() -> dict:
 
     from orchestrator.config import load_config
     from orchestrator.ops.console import Console
+    from orchestrator.rl.driver import Run
     from orchestrator.rl.launch import init_ray
-    from orchestrator.rl.trainer import Trainer
+    from orchestrator.rl.policy_loop import PolicyLoop
     lap("driver imports")
     run_dir = (RUNS_DIR / "startup-profile").resolve()
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = load_config("configs/default.yaml", [f"run.dir={run_dir}"])
-    trainer = Trainer(cfg, None, Console())
+    trainer = Run(cfg, PolicyLoop, None, Console())
     lap("task and tokenizer (driver)")
     init_ray(cfg)
     lap("ray.init (a private local instance)")

@@ -141,8 +141,10 @@ def ppo(cfg, x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     of the policy to the reference on every response token; then GAE against the critic's values."""
     rewards = x.outcome_token_rewards()
     if x.step_rewards is not None:  # a PRM's step scores (process supervision), each on its step's last token
+        assert x.step_ends is not None, "step rewards come with their step ends"
         rewards = rewards + step_token_rewards(x.step_rewards, x.step_ends, x.mask)
     if cfg.kl_reward_coef:
+        assert x.old_logprobs is not None and x.ref_logprobs is not None, "PPO's KL reward needs both logprobs"
         rewards = rewards - cfg.kl_reward_coef * kl_estimate(x.old_logprobs, x.ref_logprobs, "k1") * x.mask
     return get_estimator("gae")(rewards, x.values, x.mask, cfg.gamma, cfg.lam, whiten=cfg.whiten_advantages)
 

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from workers.weight_buckets import TensorSpec
 
 ADAPTER = "default"  # PEFT's name of the one adapter
 VALUE_HEADS = ["score", "classifier"]  # a token-classification head's names (PEFT's own list for TOKEN_CLS)
@@ -30,9 +34,9 @@ def add_adapters(hf_model, spec: dict, value_head: bool = False):
     PEFT keeps as a trainable copy (``modules_to_save``) and which gets no adapter of its own."""
     from peft import LoraConfig, get_peft_model
 
+    head: dict[str, Any] = {"task_type": "TOKEN_CLS", "exclude_modules": VALUE_HEADS} if value_head else {}
     config = LoraConfig(r=spec["rank"], lora_alpha=spec["alpha"], lora_dropout=spec["dropout"],
-                        target_modules=spec["target_modules"], bias="none",
-                        **({"task_type": "TOKEN_CLS", "exclude_modules": VALUE_HEADS} if value_head else {}))
+                        target_modules=spec["target_modules"], bias="none", **head)
     try:
         return get_peft_model(hf_model, config)
     except ValueError as e:  # PEFT: "Target modules {...} not found in the base model"
@@ -50,7 +54,7 @@ def adapter_weights(hf_model) -> dict[str, torch.Tensor]:
     return {"base_model.model." + n.replace(f".{ADAPTER}.", "."): p for n, p in adapter_parameters(hf_model).items()}
 
 
-def _lora_layers(hf_model) -> dict[str, torch.nn.Module]:
+def _lora_layers(hf_model) -> dict[str, Any]:
     from peft.tuners.lora import LoraLayer
 
     return {name: m for name, m in hf_model.named_modules() if isinstance(m, LoraLayer)}
@@ -70,7 +74,7 @@ class MergedWeights(Mapping):
     def __init__(self, hf_model, adapted_only: bool, gather: Gather):
         self.layers = _lora_layers(hf_model)
         self.gather = gather
-        self.sources: dict[str, tuple[torch.Tensor, torch.nn.Module | None]] = {}
+        self.sources: dict[str, tuple[torch.Tensor, Any]] = {}  # base name -> (weight, its LoraLayer or None)
         # engines fuse sibling linears (q/k/v -> qkv_proj, gate/up -> gate_up_proj) and reload a fused layer only
         # when all of its parts arrive: a push sends every tensor of a block (self_attn, mlp) that has an adapter
         adapted_blocks = {name.rsplit(".", 1)[0] for name in self.layers}
@@ -83,7 +87,7 @@ class MergedWeights(Mapping):
                 continue
             self.sources[base_name] = (p, self.layers.get(module) if name.endswith(".base_layer.weight") else None)
 
-    def specs(self) -> list[tuple[str, tuple[int, ...], str]]:
+    def specs(self) -> list[TensorSpec]:
         from workers.weight_buckets import param_specs
 
         return param_specs([(n, p) for n, (p, _) in self.sources.items()])

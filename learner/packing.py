@@ -50,7 +50,7 @@ class Scored:
     rows: Tensor  # [N] long: row in the micro-batch
     cols: Tensor  # [N] long: column in the [b, T] response layout
 
-    def scatter(self, values: Tensor, shape: tuple[int, int]) -> Tensor:
+    def scatter(self, values: Tensor, shape: tuple[int, ...]) -> Tensor:
         """Per-token ``values`` ``[N]`` into a zero ``[b, T]`` tensor (keeps the autograd graph)."""
         out = torch.zeros(shape, dtype=values.dtype, device=values.device)
         return out.index_put((self.rows.to(values.device), self.cols.to(values.device)), values)
@@ -155,7 +155,9 @@ def token_counts(batch: TrainBatch) -> list[int]:
 def plan_micro_batches(counts: list[int], budget: int) -> list[list[int]]:
     """Consecutive rows grouped into micro-batches of at most ``budget`` real tokens each (a row longer than the
     budget gets a micro-batch of its own). Greedy in row order."""
-    plan, current, used = [], [], 0
+    plan: list[list[int]] = []
+    current: list[int] = []
+    used = 0
     for i, n in enumerate(counts):
         if current and used + n > budget:
             plan.append(current)

@@ -13,6 +13,7 @@ import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from common.actor_logs import LoggedActor, peak_rss_mb
 from common.imports import skip_unused_comm_op, skip_unused_imports
@@ -76,7 +77,11 @@ class LearnerWorker(LoggedActor):
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         # a token budget gives ranks different micro-batch counts: they agree on the largest over this group
         self._count_group = torch.distributed.new_group(backend="gloo") if world_size > 1 else None
-        self.engine = None
+        # set by load: the DeepSpeed engine, the HF model it wraps (PEFT's model with LoRA), the frozen reference
+        self.engine: Any = None
+        self.hf_model: Any = None
+        self.peft: Any = None
+        self.ref: Any = None
         self.load(spec)
 
     def load(self, spec: LearnerSpec) -> str:
@@ -117,7 +122,8 @@ class LearnerWorker(LoggedActor):
             if lora:
                 checkpoint_adapters_only(model)  # a checkpoint holds the adapters, not the frozen base
             if spec.reference and not lora:
-                lm = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch_dtype).to(self.device).eval()
+                lm: Any = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch_dtype)
+                lm = lm.to(self.device).eval()
                 self.ref = HiddenStatesLM(lm.requires_grad_(False))
         if spec.gradient_checkpointing:
             self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -304,16 +310,16 @@ class LearnerWorker(LoggedActor):
         def gather(params):
             return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
-        gather = gather if self.zero_stage == 3 else None
+        gathered = gather if self.zero_stage == 3 else None
         if self.peft is None:
-            return param_specs(self.hf_model.named_parameters()), dict(self.hf_model.named_parameters()), gather
+            return param_specs(self.hf_model.named_parameters()), dict(self.hf_model.named_parameters()), gathered
         from learner.lora import adapter_weights, merged_weights
 
         if push and self.lora_push == "adapter":
             adapters = adapter_weights(self.hf_model)
-            return param_specs(adapters.items()), adapters, gather
+            return param_specs(adapters.items()), adapters, gathered
 
-        merged = merged_weights(self.hf_model, adapted_only=push, gather=gather)
+        merged = merged_weights(self.hf_model, adapted_only=push, gather=gathered)
         return merged.specs(), merged, None
 
     def _gathered(self, bucket_mb: float, push: bool = True):

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -65,9 +66,17 @@ def main() -> None:
     reply = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything printed between commands must not reach the replies
     fleet = Fleet(load_config(None, []), Roles())  # no actor yet: the first command starts what it uses
+    record = os.environ.get("FLEETRL_SERVER_LOG")  # one line per command: where the suite's time goes
     for line in sys.stdin:
         request = json.loads(line)
+        t0 = time.perf_counter()
+        fleet.startup_s, fleet.kept = None, []
         rc = run_command(request["argv"], Path(request["out"]), fleet)
+        if record:
+            with open(record, "a") as f:
+                f.write(json.dumps({"argv": request["argv"], "rc": rc, "seconds": round(time.perf_counter() - t0, 1),
+                                    "fleet_s": fleet.startup_s and round(fleet.startup_s, 1), "kept": fleet.kept,
+                                    "fleet": fleet.describe()}) + "\n")
         reply.write(json.dumps({"rc": rc}) + "\n")
     fleet.stop()
 

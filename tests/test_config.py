@@ -103,13 +103,11 @@ def test_cli_missing_model_path_is_a_clear_error(tmp_path):
     (["learner.logprob_pass=always"], True),
 ])
 def test_separate_logprob_pass_only_when_the_batch_is_used_more_than_once(overrides, separate):
-    from orchestrator.rl.launch import ensure_model
-    from orchestrator.rl.trainer import Trainer
+    from orchestrator.rl.policy_loop import separate_logprob_pass
 
     cfg = load_config(None, ["run.dir=/tmp/fleetrl-unused", *overrides])
-    ensure_model(cfg)  # the Trainer reads the tokenizer: on a fresh checkout the embedded model is built first
     assert cfg.engine_dtype == ("bfloat16" if "rollout.dtype=bfloat16" in overrides else "float32")
-    assert Trainer(cfg).separate_logprob_pass() is separate
+    assert separate_logprob_pass(cfg) is separate
 
 
 @pytest.mark.parametrize("algorithm, temperature", [("grpo", 0.7), ("ppo", 0.7), ("rloo", 0.7), ("sft", 1.0),

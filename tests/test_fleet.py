@@ -12,14 +12,14 @@ from tests.conftest import cli
 
 
 @pytest.mark.parametrize("overrides,loop,roles", [
-    ([], "Trainer", ["learner", "rollout", "reward", "controller"]),
-    (["algorithm.name=ppo"], "Trainer", ["learner", "critic", "rollout", "reward", "controller"]),
-    (["algorithm.name=sft", "trainer.eval_every=0"], "SFTTrainer", ["learner", "controller"]),
-    (["algorithm.name=sft", "trainer.eval_every=5"], "SFTTrainer", ["learner", "rollout", "controller"]),
-    (["algorithm.name=dpo", "algorithm.pairs=p.jsonl"], "DPOTrainer", ["learner", "rollout", "controller"]),
-    (["algorithm.name=dpo"], "DPOTrainer", ["learner", "rollout", "reward", "controller"]),  # online: generates
-    (["algorithm.name=reward_model", "trainer.eval_every=5"], "RewardModelTrainer", ["learner", "controller"]),
-    (["algorithm.name=prm", "trainer.eval_every=5"], "PRMTrainer", ["learner", "controller"]),
+    ([], "PolicyLoop", ["learner", "rollout", "reward", "controller"]),
+    (["algorithm.name=ppo"], "PolicyLoop", ["learner", "critic", "rollout", "reward", "controller"]),
+    (["algorithm.name=sft", "trainer.eval_every=0"], "SFTLoop", ["learner", "controller"]),
+    (["algorithm.name=sft", "trainer.eval_every=5"], "SFTLoop", ["learner", "rollout", "controller"]),
+    (["algorithm.name=dpo", "algorithm.pairs=p.jsonl"], "DPOLoop", ["learner", "rollout", "controller"]),
+    (["algorithm.name=dpo"], "DPOLoop", ["learner", "rollout", "reward", "controller"]),  # online: generates
+    (["algorithm.name=reward_model", "trainer.eval_every=5"], "RewardModelLoop", ["learner", "controller"]),
+    (["algorithm.name=prm", "trainer.eval_every=5"], "PRMLoop", ["learner", "controller"]),
 ])
 def test_each_loop_is_chosen_from_its_algorithm_and_starts_only_what_it_uses(overrides, loop, roles):
     """A loop that never generates starts no engine, reward actor or weight-sync probe; engines only for evals."""

@@ -9,7 +9,7 @@ Each configuration is a :class:`orchestrator.rl.pools.LearnerGroup` built from `
 trainer builds it, with 8 sequences per step and ``learner.micro_batch_size`` 4, so the config derives
 (``micro_batches_per_rank``) 1 rank x 2 micro-batches (gradient accumulation) or 2 ranks x 1 micro-batch (data
 parallel); each with ZeRO 0, 2 and 3, fp32. Every one gets the same fixed :class:`TrainBatch` and runs one update as
-``Trainer.learn`` does (``train_async`` + ``gather_metrics``). The weights are read through both push paths:
+``Run.learn`` does (``train_async`` + ``gather_metrics``). The weights are read through both push paths:
 ``weight_buckets()`` (the object-store push; under ZeRO-3 the gather before a push) and ``broadcast_weights()`` (the
 collective push over a gloo weight group that this process joins as the one engine worker; under ZeRO-3 every rank
 takes part in each bucket's gather), in several buckets. They are compared tensor by tensor with the reference,
@@ -93,7 +93,7 @@ def _bucketed_weights(group) -> dict[str, torch.Tensor]:
 
 
 def _pushed_weights(group) -> dict[str, torch.Tensor]:
-    """The collective push as ``Trainer.push_weights`` runs it, with this process as the one engine worker of the
+    """The collective push as ``Run.push_weights`` runs it, with this process as the one engine worker of the
     gloo weight group (rank 1)."""
     from orchestrator.rl.pools import get_ranks
     from workers.nccl_sync import receive_buckets, weight_communicator
@@ -132,7 +132,7 @@ def update(tmp_path_factory):
         group = LearnerGroup(cfg)
         try:
             before = _bucketed_weights(group)
-            metrics = gather_metrics(group.train_async(batch))  # as Trainer.learn
+            metrics = gather_metrics(group.train_async(batch))  # as Run.learn
             after = _bucketed_weights(group)
             pushed = _pushed_weights(group)
         finally:

@@ -21,16 +21,17 @@ DRIVER = textwrap.dedent("""
     from orchestrator.config import load_config
     from orchestrator.rl.fleet import Fleet
     from orchestrator.rl.launch import init_ray
-    from orchestrator.rl.trainer import Trainer
+    from orchestrator.rl.driver import Run
+    from orchestrator.rl.policy_loop import PolicyLoop
 
     run_dir, overrides = sys.argv[1], json.loads(sys.argv[2])
     cfg = load_config(None, [f"run.dir={run_dir}", "trainer.total_steps=3", "trainer.eval_every=0",
                              "learner.lr=1e-3", *overrides])
-    trainer = Trainer(cfg)
+    run = Run(cfg, PolicyLoop)
     init_ray(cfg)
     # a fleet of its own, kept up after the run so its engines can be read
-    fleet = Fleet.start(cfg, Trainer.roles(cfg), probe=(trainer.task.train_batch(0, 1), trainer.pad_id))
-    rows = trainer.run(fleet)
+    fleet = Fleet.start(cfg, run.roles, probe=run.probe())
+    rows = run.run(fleet)
     learner = load_file(f"{run_dir}/final/model.safetensors")
     tied = "lm_head.weight" not in learner
     if tied:

@@ -52,7 +52,7 @@ class ScoredSample:
 
 @dataclass
 class Collected:
-    """A step's generated and scored groups, as the driver collects them (``Trainer.collect``):
+    """A step's generated and scored groups, as the driver collects them (:func:`orchestrator.rl.collect.collect`):
     ``reward_errors`` reward-function calls that raised or timed out, ``info`` the sampling metrics
     (``sampling/*``, ``reward/timeouts``, ``env/dropped_groups``)."""
 

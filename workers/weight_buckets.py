@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -79,8 +79,7 @@ def _bucket(entries: list[tuple[str, tuple[int, ...], str, int]], end: int) -> B
     return BucketPlan(names, shapes, dtypes, offsets, -(-end // ALIGN) * ALIGN)
 
 
-def param_specs(named_params: Iterator[tuple[str, torch.Tensor]] | Sequence[tuple[str, torch.Tensor]]
-                ) -> list[TensorSpec]:
+def param_specs(named_params: Iterable[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
     """Specs of a model's parameters (``module.named_parameters()``: tied weights appear once). Under ZeRO-3 a
     parameter's local tensor is an empty shard; its full shape is ``ds_shape``."""
     return [(name, tuple(getattr(p, "ds_shape", p.shape)), str(p.dtype).removeprefix("torch."))

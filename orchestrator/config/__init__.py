@@ -575,9 +575,9 @@ def _section_for(path: tuple) -> type[BaseModel] | None:
         if not isinstance(part, str) or part not in cls.model_fields:
             return None if not isinstance(part, str) else _union_member(cls, part, path)
         ann = cls.model_fields[part].annotation
-        cls = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
-        if cls is None:
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return None
+        cls = ann
     return cls
 
 

@@ -4,7 +4,7 @@ the learner gets, is one function in :mod:`learner.algorithms`, registered under
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal, Union
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
@@ -230,4 +230,8 @@ class RewardModelConfig(ObjectiveConfig):
 
 ALGORITHMS = (GRPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, ReinforcePPBaselineConfig, GDPOConfig,
               GRPOProcessConfig, PPOConfig, SFTConfig, DPOConfig, PRMConfig, RewardModelConfig)
-AlgorithmConfig = Annotated[Union[ALGORITHMS], Field(discriminator="name")]  # noqa: UP007 - a tuple of classes
+AlgorithmConfig = Annotated[GRPOConfig | DrGRPOConfig | RLOOConfig | ReinforcePPConfig | ReinforcePPBaselineConfig
+                            | GDPOConfig | GRPOProcessConfig | PPOConfig | SFTConfig | DPOConfig | PRMConfig
+                            | RewardModelConfig, Field(discriminator="name")]
+"""Every algorithm section (:data:`ALGORITHMS`, spelled out so a type checker sees the union), told apart by
+``name``."""

@@ -41,6 +41,6 @@ def config_reference_markdown() -> str:
                 rows.append(f"| **`algorithm` (name: `{member.model_fields['name'].default}`)** | | | "
                             f"{' '.join((member.__doc__ or '').split())} |")
                 walk(member, "algorithm.")
-        else:
+        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             walk(field.annotation, f"{section}.")
     return "\n".join(rows) + "\n"

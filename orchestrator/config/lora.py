@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from orchestrator.config.section import Section
 
-ALL_LINEAR = "all-linear"
+ALL_LINEAR: Literal["all-linear"] = "all-linear"
 
 
 class LoraSection(Section):

@@ -10,18 +10,18 @@ from __future__ import annotations
 import importlib
 
 LOOPS = {
-    "policy": "orchestrator.rl.trainer:Trainer",
-    "sft": "orchestrator.loops.sft:SFTTrainer",
-    "dpo": "orchestrator.loops.dpo:DPOTrainer",
-    "bradley_terry": "orchestrator.loops.preference_model:RewardModelTrainer",
-    "prm": "orchestrator.loops.process_reward:PRMTrainer",
+    "policy": "orchestrator.rl.policy_loop:PolicyLoop",
+    "sft": "orchestrator.loops.sft:SFTLoop",
+    "dpo": "orchestrator.loops.dpo:DPOLoop",
+    "bradley_terry": "orchestrator.loops.preference_model:RewardModelLoop",
+    "prm": "orchestrator.loops.process_reward:PRMLoop",
 }
 """Objective (the algorithm config class's ``objective``) -> its loop."""
 
 
 def loop_for(cfg) -> type:
-    """The loop that trains ``cfg``'s objective: policy gradients (:class:`orchestrator.rl.trainer.Trainer`), SFT,
-    DPO, a Bradley-Terry reward model or a PRM."""
+    """The loop that trains ``cfg``'s objective: policy gradients (:class:`orchestrator.rl.policy_loop.PolicyLoop`),
+    SFT, DPO, a Bradley-Terry reward model or a PRM (each a :class:`orchestrator.rl.driver.Loop` the driver holds)."""
     module, name = LOOPS[cfg.algorithm.objective].split(":")
     return getattr(importlib.import_module(module), name)
 

@@ -25,13 +25,15 @@ from orchestrator.recipes.data import (
     load_pairs,
     sample_example,
 )
+from orchestrator.rl.collect import collect
+from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
 from orchestrator.rl.fleet import Roles, training_roles
-from orchestrator.rl.trainer import StepResult, Trainer, learner_metrics
+from orchestrator.rl.policy_loop import check_rewards
 
 log = logging.getLogger("fleetrl")
 
 
-class DPOTrainer(Trainer):
+class DPOLoop(Loop):
     """Offline (a pairs file): engines start only for evals, and get the weights just before one; online: the
     RL loop's fleet."""
 
@@ -40,19 +42,21 @@ class DPOTrainer(Trainer):
         """Offline: the pairs file read and checked at load; online: the rewards, as RL's."""
         if cfg.algorithm.pairs:
             load_pairs(cfg.algorithm.pairs)
-            return cfg
-        return super().prepare(cfg)
+        else:
+            check_rewards(cfg)
+        return cfg
 
     @classmethod
     def roles(cls, cfg: FleetConfig) -> Roles:
         return training_roles(cfg, generates=not cfg.algorithm.pairs)
 
-    def __init__(self, cfg: FleetConfig, resume: str | None = None, console=None):
-        super().__init__(cfg, resume, console)
+    def __init__(self, run: Run):
+        super().__init__(run)
+        self.cfg = cfg = run.cfg
         self.pairs: list[tuple[Example, Example]] = []
         self.preferences: list[float] = []  # each offline pair's soft label, P(chosen is better)
         if cfg.algorithm.pairs:
-            renderer = ExampleRenderer(self.tokenizer, cfg.data.prompt_format, cfg.data.system_prompt)
+            renderer = ExampleRenderer(run.tokenizer, cfg.data.prompt_format, cfg.data.system_prompt)
             rows = load_pairs(cfg.algorithm.pairs)
             self.pairs = [(renderer.completion(r["prompt"], r["chosen"]),
                            renderer.completion(r["prompt"], r["rejected"])) for r in rows]
@@ -67,17 +71,17 @@ class DPOTrainer(Trainer):
         t0 = time.perf_counter()
         idx = draw(len(self.pairs), step, self.cfg.sequences_per_step // 2, self.cfg.trainer.seed)
         result = self._update([self.pairs[i] for i in idx], timer, [self.preferences[i] for i in idx])
-        self.engines_stale = True
+        self.run.engines_stale = True
         result.metrics.update({"throughput/pairs_per_s": len(idx) / (time.perf_counter() - t0), **timer.metrics()})
         return result
 
     def online_step(self, step: int) -> StepResult:
         timer = PhaseTimer()
-        collected = self.collect(step, timer)
+        collected = collect(self.run, step, timer)
         scored, reward_errors = collected.scored, collected.reward_errors
         rewards = [x.reward for x in scored]
         chosen = preference_pairs(rewards, [x.sample.prompt_uid for x in scored], self.cfg.algorithm.min_reward_gap)
-        correct = self.correct([x.sample for x in scored])
+        correct = self.run.correct([x.sample for x in scored])
         out = {"reward/mean": sum(rewards) / len(rewards), "reward/errors": reward_errors,
                "train/accuracy": sum(correct) / len(correct), "rollout/samples": len(scored),
                "tokens_generated": sum(len(x.sample.completion_ids) for x in scored)}
@@ -88,7 +92,7 @@ class DPOTrainer(Trainer):
             out.update(update.metrics)
             skipped = update.skipped_update
             with timer("sync"):
-                out.update(self.push_weights())
+                out.update(self.run.push_weights())
         else:
             log.warning("dpo step %d: no group had a reward gap >= algorithm.min_reward_gap=%s; no update", step,
                         self.cfg.algorithm.min_reward_gap)
@@ -100,10 +104,10 @@ class DPOTrainer(Trainer):
     def _update(self, pairs: list[tuple[Example, Example]], timer: PhaseTimer,
                 preferences: list[float] | None = None) -> StepResult:
         rows = [e for pair in pairs for e in pair]
-        batch = examples_batch(rows, self.cfg.sequences_per_step, self.pad_id, rows_per_unit=2)
+        batch = examples_batch(rows, self.cfg.sequences_per_step, self.run.pad_id, rows_per_unit=2)
         if preferences and any(p != 1.0 for p in preferences):  # soft labels ride on both rows of their pair
             batch.targets = torch.zeros_like(batch.response_mask)
             batch.targets[:len(rows)] = torch.tensor([p for p in preferences for _ in (0, 1)])[:, None]
         with timer("learn"):
-            update = self.learn(batch)
+            update = self.run.learn(batch)
         return StepResult({**learner_metrics(update.metrics), "dpo/pairs": len(pairs)}, update.skipped)

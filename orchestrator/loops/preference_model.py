@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 from learner.losses import tag_log_odds
 from orchestrator.config import ConfigError, FleetConfig
 from orchestrator.loops.process_reward import PRMExample, held_out, prm_batch
 from orchestrator.ops.metrics import PhaseTimer
 from orchestrator.recipes.data import draw, load_pairs
+from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
 from orchestrator.rl.fleet import Roles, training_roles
 from orchestrator.rl.steps import step_separator
-from orchestrator.rl.trainer import StepResult, Trainer, learner_metrics
 from rewards.prm import encode, split_steps, tag_id, write_meta
 from workers.prompts import PromptRenderer
 
@@ -51,8 +52,8 @@ def split_pairs(cfg: FleetConfig) -> tuple[list[dict], list[dict]]:
     return train, held
 
 
-class RewardModelTrainer(Trainer):
-    """The Trainer's loop with a Bradley-Terry step over ``algorithm.pairs`` (see the module); the learner group
+class RewardModelLoop(Loop):
+    """A Bradley-Terry step over ``algorithm.pairs`` (see the module); the learner group
     alone (its evals are the learner's own scores)."""
 
     @classmethod
@@ -65,8 +66,10 @@ class RewardModelTrainer(Trainer):
         split_pairs(cfg)
         return cfg
 
-    def __init__(self, cfg: FleetConfig, resume: str | None = None, console=None):
-        super().__init__(cfg, resume, console)
+    def __init__(self, run: Run):
+        super().__init__(run)
+        self.cfg = cfg = run.cfg
+        self.tokenizer = run.tokenizer
         self.tag, self.sep = tag_id(self.tokenizer, cfg.prm.tag), step_separator(cfg)
         self.renderer = PromptRenderer(self.tokenizer, cfg.data.prompt_format, cfg.data.system_prompt)
         self.train_rows, self.held = split_pairs(cfg)
@@ -91,7 +94,7 @@ class RewardModelTrainer(Trainer):
         idx = draw(len(self.train_rows), step, n // 2, self.cfg.trainer.seed)
         rows = [e for i in idx for e in self.pair(self.train_rows[i])]
         with timer("learn"):
-            update = self.learn(prm_batch(rows, n, self.pad_id, rows_per_unit=2))
+            update = self.run.learn(prm_batch(rows, n, self.run.pad_id, rows_per_unit=2))
         return StepResult({**learner_metrics(update.metrics), "rm/epoch": (step + 1) * len(idx) / len(self.train_rows),
                            **timer.metrics()}, update.skipped)
 
@@ -101,7 +104,7 @@ class RewardModelTrainer(Trainer):
         for i in range(0, len(self.held), n // 2):
             chunk = self.held[i: i + n // 2]
             rows = [e for r in chunk for e in self.pair(r)]
-            batch = self.fleet.learner.compute_logprobs(prm_batch(rows, n, self.pad_id, rows_per_unit=2))
+            batch = self.run.fleet.learner.compute_logprobs(prm_batch(rows, n, self.run.pad_id, rows_per_unit=2))
             scores = [float(tag_log_odds(batch.old_logprobs[j, e.loss_mask.index(1)])) for j, e in enumerate(rows)]
             margins += [scores[2 * k] - scores[2 * k + 1] for k in range(len(chunk))]
         return margins
@@ -115,10 +118,9 @@ class RewardModelTrainer(Trainer):
                 "rm/heldout_margin": sum(margins) / len(margins), "rm/heldout_pairs": len(decided),
                 "time/eval_s": time.perf_counter() - t0}
 
-    def finish(self, train_seconds: float) -> None:
-        super().finish(train_seconds)
-        evals = [m for m in self.metrics.history if "rm/heldout_accuracy" in m]
-        write_meta(self.run_dir / "final", {"tag": self.cfg.prm.tag, "separator": self.sep, "target": "preference",
+    def on_final(self, final: Path) -> None:
+        evals = [m for m in self.run.metrics.history if "rm/heldout_accuracy" in m]
+        write_meta(final, {"tag": self.cfg.prm.tag, "separator": self.sep, "target": "preference",
                                             "pairs": self.cfg.algorithm.pairs, "base": self.cfg.model.path,
                                             **({"rm/heldout_accuracy": evals[-1]["rm/heldout_accuracy"]}
                                                if evals else {})})

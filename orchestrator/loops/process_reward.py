@@ -31,9 +31,9 @@ from orchestrator.config import ConfigError, FleetConfig
 from orchestrator.evaluation.search.methods import mc_labels
 from orchestrator.ops.metrics import PhaseTimer
 from orchestrator.recipes.data import Example, draw, examples_batch, read_jsonl, write_jsonl
+from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
 from orchestrator.rl.fleet import Roles, training_roles
 from orchestrator.rl.steps import step_ends, step_separator
-from orchestrator.rl.trainer import StepResult, Trainer, learner_metrics
 from rewards.datasets import DatasetError
 from rewards.prm import encode, tag_id, write_meta
 
@@ -207,8 +207,8 @@ def split(rows: list[dict], p) -> tuple[list[dict], list[dict]]:
     return train, held
 
 
-class PRMTrainer(Trainer):
-    """The Trainer's loop with a PRM step over ``prm.labels``; its evals are the held-out step AUCs, computed
+class PRMLoop(Loop):
+    """A PRM step over ``prm.labels``; its evals are the held-out step AUCs, computed
     from the learner's own tag probabilities: the learner group alone."""
 
     prepare = staticmethod(prm_config)
@@ -217,8 +217,10 @@ class PRMTrainer(Trainer):
     def roles(cls, cfg: FleetConfig) -> Roles:
         return training_roles(cfg, generates=False, engine_evals=False)
 
-    def __init__(self, cfg: FleetConfig, resume: str | None = None, console=None):
-        super().__init__(cfg, resume, console)
+    def __init__(self, run: Run):
+        super().__init__(run)
+        self.cfg = cfg = run.cfg
+        self.tokenizer = run.tokenizer
         p = cfg.prm
         self.tag = tag_id(self.tokenizer, p.tag)
         train, self.held = split(load_labels(p.labels), p)
@@ -232,7 +234,7 @@ class PRMTrainer(Trainer):
         n = self.cfg.sequences_per_step
         rows = [self.examples[i] for i in draw(len(self.examples), step, n, self.cfg.trainer.seed)]
         with timer("learn"):
-            update = self.learn(prm_batch(rows, n, self.pad_id))
+            update = self.run.learn(prm_batch(rows, n, self.run.pad_id))
         return StepResult({**learner_metrics(update.metrics), "prm/epoch": (step + 1) * n / len(self.examples),
                            **timer.metrics()}, update.skipped)
 
@@ -242,7 +244,7 @@ class PRMTrainer(Trainer):
         for i in range(0, len(self.held), n):
             chunk = self.held[i: i + n]
             examples = [prm_example(self.tokenizer, r, self.tag, "hard") for r in chunk]
-            batch = self.fleet.learner.compute_logprobs(prm_batch(examples, n, self.pad_id))
+            batch = self.run.fleet.learner.compute_logprobs(prm_batch(examples, n, self.run.pad_id))
             for j, r in enumerate(chunk):
                 _, ids, positions = encode(self.tokenizer, r["prompt"], r["steps"], self.tag)
                 scores.append([float(batch.old_logprobs[j, pos].exp()) for pos in positions])
@@ -259,10 +261,9 @@ class PRMTrainer(Trainer):
         out["time/eval_s"] = time.perf_counter() - t0
         return {k: v for k, v in out.items() if v is not None}
 
-    def finish(self, train_seconds: float) -> None:
-        super().finish(train_seconds)
-        evals = [m for m in self.metrics.history if "prm/auc" in m]
-        write_meta(self.run_dir / "final", {"tag": self.cfg.prm.tag, "separator": step_separator(self.cfg),
+    def on_final(self, final: Path) -> None:
+        evals = [m for m in self.run.metrics.history if "prm/auc" in m]
+        write_meta(final, {"tag": self.cfg.prm.tag, "separator": step_separator(self.cfg),
                                             "target": self.cfg.prm.target, "labels": self.cfg.prm.labels,
                                             "base": self.cfg.model.path, **({k: evals[-1][k] for k in evals[-1]
                                                                              if k.startswith("prm/auc")}
@@ -270,6 +271,6 @@ class PRMTrainer(Trainer):
 
 
 def run_prm_train(cfg: FleetConfig, resume: str | None = None, fleet=None) -> list[dict]:
-    from orchestrator.rl.trainer import run_training
+    from orchestrator.rl.driver import run_training
 
-    return run_training(cfg, resume=resume, loop=PRMTrainer, fleet=fleet)
+    return run_training(cfg, resume=resume, loop=PRMLoop, fleet=fleet)

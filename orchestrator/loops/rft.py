@@ -8,8 +8,8 @@ Each round, on the same actors as `fleetrl train`:
     them through the DeepSpeed learner group -> push the weights to the engines
 
 The update is the registered ``sft`` loss (the token-mean NLL of the kept completions, :mod:`orchestrator.loops.sft`)
-on the same learner group. The loop, evals, checkpoints and the final policy are the Trainer's
-(:class:`RFTTrainer` replaces only the training step); one row per round goes to ``<run.dir>/metrics.jsonl``.
+on the same learner group. Evals, checkpoints and the final policy are the driver's (:class:`orchestrator.rl.driver.
+Run`; :class:`RFTLoop` is the training step); one row per round goes to ``<run.dir>/metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from orchestrator.config import ConfigError, FleetConfig
 from orchestrator.loops.sft import objective_config
 from orchestrator.ops.metrics import PhaseTimer
 from orchestrator.recipes.data import examples_batch, sample_example
-from orchestrator.rl.trainer import StepResult, Trainer, learner_metrics
+from orchestrator.rl.collect import collect
+from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
+from orchestrator.rl.fleet import Roles, training_roles
+from orchestrator.rl.policy_loop import check_rewards
 from workers.records import ScoredSample
 
 log = logging.getLogger("fleetrl")
@@ -50,16 +53,29 @@ def rft_config(cfg: FleetConfig, rounds: int | None = None) -> FleetConfig:
     return FleetConfig.model_validate(tree)
 
 
-class RFTTrainer(Trainer):
-    """The Trainer's loop (evals, checkpoints, metrics, final policy) with the RFT round as its training step."""
+class RFTLoop(Loop):
+    """The RFT round as the training step; it samples every round, as RL does."""
+
+    def __init__(self, run: Run):
+        super().__init__(run)
+        self.cfg = run.cfg
+
+    @classmethod
+    def prepare(cls, cfg: FleetConfig) -> FleetConfig:
+        check_rewards(cfg)
+        return cfg
+
+    @classmethod
+    def roles(cls, cfg: FleetConfig) -> Roles:
+        return training_roles(cfg, generates=True)
 
     def train_step(self, step: int) -> StepResult:
         """One round: generate, score, keep the verified-correct samples, supervised update, push weights."""
         timer = PhaseTimer()
-        collected = self.collect(step, timer)
+        collected = collect(self.run, step, timer)
         scored, reward_errors = collected.scored, collected.reward_errors
         kept = keep_verified(scored, self.cfg.rft.threshold)
-        correct = self.correct([x.sample for x in scored])
+        correct = self.run.correct([x.sample for x in scored])
         out = {"rft/kept_fraction": len(kept) / len(scored), "rft/kept": len(kept),
                "rft/prompts_with_kept": len({x.sample.prompt_uid for x in kept}),
                "train/accuracy": sum(correct) / len(correct), "reward/errors": reward_errors,
@@ -67,13 +83,13 @@ class RFTTrainer(Trainer):
                "tokens_generated": sum(len(x.sample.completion_ids) for x in scored)}
         skipped = False
         if kept:
-            batch = examples_batch([sample_example(x.sample) for x in kept], len(scored), self.pad_id)
+            batch = examples_batch([sample_example(x.sample) for x in kept], len(scored), self.run.pad_id)
             with timer("learn"):
-                update = self.learn(batch)
+                update = self.run.learn(batch)
             out.update(learner_metrics(update.metrics))
             skipped = update.skipped
             with timer("sync"):
-                out.update(self.push_weights())
+                out.update(self.run.push_weights())
         else:
             log.warning("rft round %d: no sample reached rft.threshold=%s; no update this round", step,
                         self.cfg.rft.threshold)
@@ -84,15 +100,15 @@ class RFTTrainer(Trainer):
         return StepResult(out, skipped, reward_errors)
 
     def summary(self) -> dict:
-        return {**super().summary(), "algorithm": "rft", "rounds": self.cfg.rft.rounds}
+        return {"algorithm": "rft", "rounds": self.cfg.rft.rounds}
 
 
 def run_rft(cfg: FleetConfig, rounds: int | None = None, resume: str | None = None, fleet=None) -> list[dict]:
     """Check the run directory, start (or join) Ray, run the rounds; returns the per-round rows."""
-    from orchestrator.rl.trainer import run_training
+    from orchestrator.rl.driver import run_training
 
     cfg = rft_config(cfg, rounds)
     if (Path(cfg.run.dir) / "metrics.jsonl").exists() and not resume:
         raise ConfigError(f"run.dir={cfg.run.dir} holds a training run (metrics.jsonl); RFT would overwrite its "
                           "final policy: give a fresh run.dir (and the trained policy as model.path)")
-    return run_training(cfg, resume, loop=RFTTrainer, fleet=fleet)
+    return run_training(cfg, resume, loop=RFTLoop, fleet=fleet)

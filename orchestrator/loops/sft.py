@@ -1,7 +1,7 @@
 """`fleetrl sft`: supervised fine-tuning on the same DeepSpeed learner group as RL (same actors, ZeRO stages,
 packing, token-budget micro-batches). The learner trains the registered ``sft`` loss (the token-mean NLL of the
-assistant tokens); the Trainer's loop gives evals through the engines with the task's verifier, checkpoints,
-resume, metrics and ``final/`` in the run-dir layout of RL.
+assistant tokens); the driver (:class:`orchestrator.rl.driver.Run`) gives evals through the engines with the task's
+verifier, checkpoints, resume, metrics and ``final/`` in the run-dir layout of RL.
 
 Weights reach the engines only when they are about to generate (an eval): SFT steps themselves need no engine.
 """
@@ -14,8 +14,8 @@ import time
 from orchestrator.config import ConfigError, FleetConfig
 from orchestrator.ops.metrics import PhaseTimer
 from orchestrator.recipes.data import Example, ExampleRenderer, draw, examples_batch, load_sft_rows
+from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
 from orchestrator.rl.fleet import Roles, training_roles
-from orchestrator.rl.trainer import StepResult, Trainer, learner_metrics
 from rewards.datasets import DatasetError
 
 log = logging.getLogger("fleetrl")
@@ -51,8 +51,8 @@ def render_rows(path: str, renderer: ExampleRenderer) -> list[Example]:
     return out
 
 
-class SFTTrainer(Trainer):
-    """The Trainer's loop with a supervised step over ``sft.data``. Its steps never generate: engines start only
+class SFTLoop(Loop):
+    """A supervised step over ``sft.data``. Its steps never generate: engines start only
     for evals (``trainer.eval_every`` > 0) and get the weights just before one."""
 
     @classmethod
@@ -61,9 +61,10 @@ class SFTTrainer(Trainer):
 
     prepare = staticmethod(sft_config)
 
-    def __init__(self, cfg: FleetConfig, resume: str | None = None, console=None):
-        super().__init__(cfg, resume, console)
-        renderer = ExampleRenderer(self.tokenizer, cfg.data.prompt_format, cfg.data.system_prompt)
+    def __init__(self, run: Run):
+        super().__init__(run)
+        self.cfg = cfg = run.cfg
+        renderer = ExampleRenderer(run.tokenizer, cfg.data.prompt_format, cfg.data.system_prompt)
         self.examples = render_rows(cfg.sft.data, renderer)
         log.info("sft data %s: %d rows", cfg.sft.data, len(self.examples))
 
@@ -72,10 +73,10 @@ class SFTTrainer(Trainer):
         t0 = time.perf_counter()
         rows = [self.examples[i] for i in draw(len(self.examples), step, self.cfg.sequences_per_step,
                                                self.cfg.trainer.seed)]
-        batch = examples_batch(rows, self.cfg.sequences_per_step, self.pad_id)
+        batch = examples_batch(rows, self.cfg.sequences_per_step, self.run.pad_id)
         with timer("learn"):
-            update = self.learn(batch)
-        self.engines_stale = True
+            update = self.run.learn(batch)
+        self.run.engines_stale = True
         tokens = int(batch.response_mask.sum())
         return StepResult({**learner_metrics(update.metrics), "sft/tokens": tokens,
                            "sft/epoch": (step + 1) * len(rows) / len(self.examples),
@@ -84,6 +85,6 @@ class SFTTrainer(Trainer):
 
 
 def run_sft(cfg: FleetConfig, resume: str | None = None, fleet=None) -> list[dict]:
-    from orchestrator.rl.trainer import run_training
+    from orchestrator.rl.driver import run_training
 
-    return run_training(cfg, resume=resume, loop=SFTTrainer, fleet=fleet)
+    return run_training(cfg, resume=resume, loop=SFTLoop, fleet=fleet)

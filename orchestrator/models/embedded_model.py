@@ -143,8 +143,10 @@ def init_model(out_dir: str | Path, seed: int = 0, target_accuracy: float | None
         elif step % 100 == 0:
             log(f"init-model: step {step} loss {loss.item():.3f}")
     model.eval()
-    out_dir.mkdir(parents=True, exist_ok=True)
     import os
+
+    final, out_dir = out_dir, out_dir.with_name(f"{out_dir.name}.building-{os.getpid()}")
+    out_dir.mkdir(parents=True, exist_ok=True)  # renamed into place when complete: no half-written model directory
 
     from transformers.utils import logging as hf_logging
 
@@ -157,7 +159,21 @@ def init_model(out_dir: str | Path, seed: int = 0, target_accuracy: float | None
     summary = {"kind": kind, "steps": step, "greedy_eval_accuracy": acc, "seconds": round(time.time() - t0, 1),
                "seed": seed}
     (out_dir / "fleetrl_init.json").write_text(json.dumps(summary, indent=1))
+    _move_into_place(out_dir, final)
     return summary
+
+
+def _move_into_place(built: Path, final: Path) -> None:
+    """``built`` becomes ``final``, replacing what was there (``init-model --force``)."""
+    import os
+    import shutil
+
+    old = final.with_name(f"{final.name}.old-{os.getpid()}") if final.exists() else None
+    if old is not None:
+        final.rename(old)
+    built.rename(final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _arith():

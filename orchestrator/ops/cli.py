@@ -232,7 +232,7 @@ def _run_training_command(args, cfg: FleetConfig, fleet) -> None:
 
         run_distill(cfg, args.resume, fleet=fleet)
     else:
-        from orchestrator.rl.trainer import run_training
+        from orchestrator.rl.driver import run_training
 
         run_training(cfg, resume=args.resume, fleet=fleet)
 
@@ -271,8 +271,9 @@ def _init_model(args) -> int:
 def _training(run, cfg: FleetConfig) -> int:
     """Run a training command: a failure inside an actor is reported with the actor's name and its log file."""
     from orchestrator.ops.console import describe_failure
+    from orchestrator.rl.collect import RewardsFailing
+    from orchestrator.rl.driver import BadTraining, CheckpointFailed
     from orchestrator.rl.pools import LearnerDied
-    from orchestrator.rl.trainer import BadTraining, CheckpointFailed, RewardsFailing
 
     try:
         run()

@@ -352,7 +352,7 @@ def run_kind(kind: str, cfg: FleetConfig, resume: str | None, fleet) -> None:
 
         run_distill(cfg, resume, fleet=fleet)
     else:
-        from orchestrator.rl.trainer import run_training
+        from orchestrator.rl.driver import run_training
 
         run_training(cfg, resume, fleet=fleet)
 

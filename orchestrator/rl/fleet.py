@@ -68,6 +68,7 @@ class Fleet:
         from orchestrator.rl.pools import EnvPool, LearnerGroup, PRMPool, RewardPool, RolloutPool
 
         self.cfg, self.roles, self.startup_s = cfg, roles, None
+        self.kept: list[str] = []  # the groups the last run served kept from the run before it (serve)
         self.t0 = time.perf_counter()
         self.learner = LearnerGroup(cfg) if roles.learner else None
         self.critic = LearnerGroup(cfg, role="critic") if roles.critic else None
@@ -146,8 +147,8 @@ class Fleet:
             self.weight_sync = make_weight_sync(cfg, self.learner, self.rollouts, *probe)
             if "rollout" in kept:  # the engines hold the last run's weights: the run starts from its own
                 self.weight_sync.push(0)
-        self.startup_s = time.perf_counter() - t0
-        log.info("fleet served a new run in %.1fs: kept %s; %s", self.startup_s, sorted(kept) or "nothing",
+        self.startup_s, self.kept = time.perf_counter() - t0, sorted(kept)
+        log.info("fleet served a new run in %.1fs: kept %s; %s", self.startup_s, self.kept or "nothing",
                  self.describe())
         return self
 

@@ -1,0 +1,61 @@
+"""A step's scored groups, for every loop that samples (RL, online DPO, RFT): generate G samples per prompt on the
+rollout engines, score them on the reward actors, and stop the run when too many reward calls fail."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from orchestrator.ops.metrics import PhaseTimer
+from orchestrator.rl.episode_metrics import drop_errored_groups
+from workers.records import Collected
+
+if TYPE_CHECKING:
+    from orchestrator.rl.driver import Run
+
+
+class RewardsFailing(RuntimeError):
+    """Too many of a step's reward-function calls failed (``reward.max_error_frac``)."""
+
+
+def collect(run: Run, step: int, timer: PhaseTimer) -> Collected:
+    """Generate and score ``step``'s groups. With ``rollout.dynamic_sampling`` (DAPO), groups whose rewards are all
+    equal (zero advantage) are set aside and more prompts are sampled, up to ``rollout.max_sampling_rounds``
+    rounds; a batch still short is topped up with set-aside groups."""
+    cfg, fleet, G = run.cfg, run.fleet, run.cfg.rollout.group_size
+    need, kept, spare, errors, rounds, judge_errors = cfg.data.prompts_per_step, [], [], 0, 0, 0
+    timeouts = fleet.rewards.timeouts
+    while len(kept) < need and rounds < (cfg.rollout.max_sampling_rounds if cfg.rollout.dynamic_sampling else 1):
+        prompts = run.task.train_batch(step, need, round_=rounds)
+        with timer("generate"):
+            samples = fleet.rollouts.generate(prompts, G, cfg.rollout.temperature,
+                                              seed=cfg.rollout.seed * 100_003 + step + 7919 * rounds)
+        with timer("reward"):
+            scored, errs, judge_errs = fleet.rewards.score_judged(samples, prompts)
+        errors += errs
+        judge_errors += judge_errs
+        rounds += 1
+        for g in range(len(prompts)):
+            group = scored[g * G: (g + 1) * G]
+            informative = not cfg.rollout.dynamic_sampling or len({x.reward for x in group}) > 1
+            (kept if informative else spare).append(group)
+    groups = (kept + spare)[:need]
+    calls = rounds * need * G * max(1, len(cfg.reward.functions) - bool(cfg.judge_spec))
+    timed_out = fleet.rewards.timeouts - timeouts
+    info = {"sampling/rounds": rounds, "sampling/informative_groups": len(kept),
+            "reward/error_frac": (errors + timed_out) / calls, "reward/timeouts": timed_out,
+            **({"reward/judge_errors": judge_errors} if run.judge else {})}
+    if cfg.env.name:
+        info["env/dropped_groups"] = drop_errored_groups(groups) if cfg.env.errored == "drop_group" else 0
+    out = Collected([x for grp in groups for x in grp], errors, info, fleet.rewards.first_error)
+    check_reward_errors(run, step, out)
+    return out
+
+
+def check_reward_errors(run: Run, step: int, batch: Collected) -> None:
+    """More than ``reward.max_error_frac`` of a step's reward-function calls failing stops the run with the first
+    failure, before any update on the zeros they scored."""
+    limit, frac = run.cfg.reward.max_error_frac, batch.info["reward/error_frac"]
+    if frac > limit:
+        raise RewardsFailing(f"step {step}: {frac:.0%} of the reward-function calls failed (reward.max_error_frac="
+                             f"{limit}); first: {batch.first_error} (tracebacks in {run.run_dir / 'logs'}/"
+                             "reward-*.log)")

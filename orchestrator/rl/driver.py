@@ -1,0 +1,429 @@
+"""The driver every training loop runs under (the single controller). :class:`Run` does what all loops do: start
+or join the fleet, the eval cadence, checkpoints and resume, bad steps, the run status, metrics, the final policy
+and ``summary.json``. A loop (:class:`Loop`: RL's :class:`orchestrator.rl.policy_loop.PolicyLoop`, SFT, DPO, the
+reward model, the PRM, RFT) holds its run and says what one training step is; the driver holds the loop.
+
+    run = Run(cfg, PolicyLoop)      # the loop is chosen once, from the algorithm's objective (orchestrator.loops)
+    run.run(fleet)                  # for each step: eval on the cadence, loop.train_step, checkpoint, status
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from learner.batch import TrainBatch
+from orchestrator.config import FleetConfig, dump_config
+from orchestrator.evaluation.samples import eval_records, shown, write_eval_samples
+from orchestrator.ops.console import Console, banner, sample_line, slow_bf16_warning
+from orchestrator.ops.metrics import MetricsLogger
+from orchestrator.ops.run_status import RunStatus
+from orchestrator.rl import checkpoint as ckpt
+from orchestrator.rl.episode_metrics import eval_episode_metrics
+from orchestrator.rl.fleet import Fleet, Roles, check_resources, check_this_machine
+from orchestrator.rl.launch import init_ray, load_tokenizer, make_task
+from orchestrator.rl.pools import LearnerDied, Update, gather_update
+from rewards.functions import verdicts, verify_timeouts
+from workers.prompts import pad_token_id
+from workers.records import Collected
+
+log = logging.getLogger("fleetrl")
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What a loop's training step returns: its metrics, and what the driver acts on, typed (not read back from
+    metric names): whether the update was skipped for a NaN/Inf gradient, and failed reward-function calls."""
+
+    metrics: dict
+    skipped_update: bool = False
+    reward_errors: int = 0
+
+
+class Loop:
+    """What a training loop is to the driver: the actors it uses (``roles``), its inputs checked at load
+    (``prepare``), and one training step. The defaults: evals through the engines with the task's verifier
+    (:meth:`Run.evaluate`), nothing in flight between steps, nothing added to ``final/`` or the summary."""
+
+    def __init__(self, run: Run):
+        self.run = run
+
+    @classmethod
+    def prepare(cls, cfg: FleetConfig) -> FleetConfig:
+        """The config this loop runs with, every input it reads checked (a ConfigError naming the key)."""
+        return cfg
+
+    @classmethod
+    def roles(cls, cfg: FleetConfig) -> Roles:
+        raise NotImplementedError
+
+    def train_step(self, step: int) -> StepResult:
+        raise NotImplementedError
+
+    def evaluate(self, step: int) -> dict:
+        return self.run.evaluate(step)
+
+    def in_flight(self) -> Collected | None:
+        """A batch generated for the next step and not trained on yet (one_step_off): saved with a checkpoint."""
+        return None
+
+    def resume_in_flight(self, batch: Collected) -> None:
+        raise ValueError(f"{type(self).__name__} keeps no batch in flight, but the checkpoint holds one")
+
+    def on_final(self, final: Path) -> None:
+        """``final/`` holds the trained model: add what serving it needs."""
+
+    def summary(self) -> dict:
+        """Keys this loop adds to (or overrides in) ``summary.json``."""
+        return {}
+
+
+class Run:
+    """One training run of ``loop`` on a fleet (see the module): its config, console, directory, status and
+    metrics, the policy version, and the services every loop uses (:meth:`learn`, :meth:`push_weights`,
+    :meth:`evaluate`, :meth:`correct`)."""
+
+    def __init__(self, cfg: FleetConfig, loop: type[Loop], resume: str | None = None,
+                 console: Console | None = None):
+        self.t_config = time.perf_counter()  # config loaded: time/startup_s and time/first_step_s count from here
+        self.startup_s: float | None = None  # -> all actors ready
+        self.cfg = cfg
+        self.console = console or Console(verbose=cfg.run.verbose)
+        self.dashboard: str | None = None  # the Ray dashboard's URL, when there is one
+        self.run_dir = Path(cfg.run.dir)
+        self.task = make_task(cfg)
+        self.eval_prompts = self.task.eval_set(cfg.data.eval_size)
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.pad_id = pad_token_id(self.tokenizer)
+        self.version = 0
+        self.start_step = 0
+        self.engines_stale = False  # a supervised step updated the learner: push before the engines generate
+        self.stop_requested = False  # `fleetrl stop`: end at the next step boundary
+        self.resume_from = ckpt.resolve(resume, self.run_dir) if resume else None
+        self.judge = None  # the `judge` reward (rewards/judge.py), checked before any actor starts
+        if cfg.judge_spec:
+            from orchestrator.recipes.cai import reward_judge
+
+            self.judge = reward_judge(cfg)
+        self._fleet: Fleet | None = None
+        self._status: RunStatus | None = None
+        self._metrics: MetricsLogger | None = None
+        self.loop = loop(self)
+
+    @property
+    def roles(self) -> Roles:
+        return type(self.loop).roles(self.cfg)
+
+    @property
+    def fleet(self) -> Fleet:
+        assert self._fleet is not None, "the run has not started its fleet"
+        return self._fleet
+
+    @property
+    def metrics(self) -> MetricsLogger:
+        assert self._metrics is not None, "the run has not started"
+        return self._metrics
+
+    def probe(self) -> tuple:
+        """What the weight-sync probe generates from: one training prompt and the pad id."""
+        return self.task.train_batch(0, 1), self.pad_id
+
+    def run(self, fleet: Fleet | None = None) -> list[dict]:
+        """The loop; a run that fails says so in its status (``fleetrl status``). Without ``fleet`` the run starts
+        its own and stops it at the end; a given fleet stays up (another run can use it)."""
+        try:
+            return self._steps(fleet)
+        except BaseException as e:
+            if self._status is not None:
+                self._status.finish("failed")
+            if not isinstance(e, LearnerDied):
+                raise
+            found = ckpt.complete_checkpoints(self.run_dir)
+            hint = (f"resume with `fleetrl train ... --resume auto` (newest complete checkpoint: {found[-1]})"
+                    if found else "no checkpoint was written yet, so it cannot resume: restart it "
+                    "(trainer.save_every makes runs resumable)")
+            raise LearnerDied(f"{e}. The run stopped; {hint}") from e
+        finally:
+            if fleet is None and self._fleet is not None:
+                self._fleet.stop()
+
+    def start(self, fleet: Fleet | None = None) -> None:
+        """Create the run directory and start the loop's fleet, or have ``fleet`` serve this run
+        (:meth:`orchestrator.rl.fleet.Fleet.serve`)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
+        if self.resume_from:
+            self.start_step = ckpt.load_state(self.resume_from)["step"]
+        self._status = RunStatus(self.run_dir)
+        self._metrics = MetricsLogger(self.run_dir, self.cfg.run.plot_every, keep_before=self.start_step,
+                                      loggers=self.cfg.run.loggers, params=self.cfg.model_dump(mode="json"))
+        roles = self.roles
+        self.console.print(f"fleetrl: starting the actors ({', '.join(roles.names())}); their output goes to "
+                           f"{self.run_dir / 'logs'}/")
+        self._fleet = Fleet.for_run(fleet, self.cfg, roles, self.judge, self.probe())
+        self.startup_s = time.perf_counter() - self.t_config
+        log.info("actors up %.1fs after the config was loaded: %s", self.startup_s, self.fleet.describe())
+        for line in banner(self.cfg, self.fleet.describe(), self.dashboard, self.startup_s):
+            self.console.print(line)
+        slow = slow_bf16_warning(self.cfg)
+        if slow:
+            log.warning(slow)
+            self.console.print(f"fleetrl: warning: {slow}")
+        if self.resume_from:
+            self.restore(self.resume_from)
+
+    def restore(self, path: Path) -> None:
+        """Learner (and critic) state from a checkpoint; the engines get the restored weights before generating."""
+        state = ckpt.load_state(path)
+        self.fleet.learner.load_checkpoint(str(path / "learner"))
+        if self.fleet.critic:
+            self.fleet.critic.load_checkpoint(str(path / "critic"))
+        self.version = state["policy_version"]
+        if self.fleet.weight_sync:  # engines serve the restored weights as the checkpoint's version
+            self.version -= 1
+            self.push_weights()
+        in_flight = ckpt.load_in_flight(path)
+        if in_flight is not None:  # one_step_off: the next step trains on the batch the checkpoint had in flight
+            self.loop.resume_in_flight(in_flight)
+        self.console.print(f"resumed from {path} at step {self.start_step} (policy version {self.version})")
+
+    def save_checkpoint(self, next_step: int) -> float:
+        """Write a complete checkpoint for resuming at ``next_step``; returns seconds taken."""
+        t0 = time.perf_counter()
+        stage = ckpt.staging_dir(self.run_dir, next_step)
+        try:
+            self.fleet.learner.save_checkpoint(str(stage / "learner"))
+            if self.fleet.critic:
+                self.fleet.critic.save_checkpoint(str(stage / "critic"))
+            self.fleet.learner.save_hf(str(stage / "policy"))
+            in_flight = self.loop.in_flight()
+            if in_flight is not None:  # one_step_off: generated and scored already (train_step waited)
+                ckpt.save_in_flight(stage, in_flight)
+            ckpt.commit(self.run_dir, stage, next_step, {"step": next_step, "policy_version": self.version},
+                        dump_config(self.cfg), self.cfg.trainer.keep_checkpoints)
+        except (OSError, RuntimeError) as e:  # a full disk surfaces as OSError or as torch.save's RuntimeError
+            shutil.rmtree(stage, ignore_errors=True)
+            previous = ckpt.complete_checkpoints(self.run_dir)
+            free_mb = shutil.disk_usage(self.run_dir).free / 2**20
+            raise CheckpointFailed(
+                f"checkpoint at step {next_step} failed ({str(e).splitlines()[-1][:200]}); {free_mb:.1f} MB free "
+                f"on {self.run_dir} (is the disk full?); the previous checkpoint "
+                f"{previous[-1] if previous else '(none)'} is intact") from e
+        return time.perf_counter() - t0
+
+    def _steps(self, fleet: Fleet | None) -> list[dict]:
+        self.start(fleet)
+        total, budget = self.cfg.trainer.total_steps, self.cfg.trainer.time_budget_s
+        t0 = time.perf_counter()
+        bad_steps = 0
+        self.console.start(total, self.start_step)
+        for step in range(self.start_step, total + 1):
+            last = (step == total or self.stop_requested
+                    or (budget is not None and time.perf_counter() - t0 > budget))
+            metrics = {"step": step, "policy_version": self.version}
+            if self._is_eval_step(step) or (last and self.cfg.trainer.eval_every):
+                metrics.update(self.loop.evaluate(step))
+            if not last:
+                bad_steps = self._train_step(step, metrics, bad_steps)
+            self.metrics.log(metrics)
+            self.fleet.controller.report.remote(metrics)
+            self._status.step(metrics)
+            self.console.step(metrics)
+            if last:
+                break
+        self.console.close()
+        self.finish(time.perf_counter() - t0)
+        return self.metrics.history
+
+    def _train_step(self, step: int, metrics: dict, bad_steps: int) -> int:
+        """The loop's step, its metrics into ``metrics``, a checkpoint on the cadence; the bad steps in a row."""
+        result = self.loop.train_step(step)
+        metrics.update(result.metrics)
+        if step == self.start_step:  # this process's first step: what a user waits for after submitting
+            metrics.update({"time/startup_s": self.startup_s,
+                            "time/first_step_s": time.perf_counter() - self.t_config})
+        bad_steps = self._count_bad_step(result, metrics, bad_steps)
+        save_every = self.cfg.trainer.save_every
+        if save_every and (step + 1) % save_every == 0 and not bad_steps:
+            metrics["time/checkpoint_s"] = self.save_checkpoint(step + 1)
+        self._warn(step, result, bad_steps)
+        return bad_steps
+
+    def _warn(self, step: int, result: StepResult, bad_steps: int) -> None:
+        """The per-step warnings that matter on the console: a skipped update, failed reward calls."""
+        if result.skipped_update:
+            log.warning("step %d: update skipped (NaN/Inf loss or gradient), %d in a row (the run stops at "
+                        "trainer.max_bad_steps=%d)", step, bad_steps, self.cfg.trainer.max_bad_steps)
+        if result.reward_errors:
+            log.warning("step %d: %d reward-function calls raised or timed out and scored 0 (tracebacks in %s)",
+                        step, result.reward_errors, self.run_dir / "logs" / "reward-*.log")
+
+    def _count_bad_step(self, result: StepResult, metrics: dict, bad_steps: int) -> int:
+        """A step whose update was skipped for a NaN/Inf gradient is bad; too many in a row stop the run."""
+        bad_steps = bad_steps + 1 if result.skipped_update else 0
+        metrics["train/bad_steps_in_a_row"] = bad_steps
+        if bad_steps >= self.cfg.trainer.max_bad_steps:
+            self.metrics.log(metrics)
+            found = ckpt.complete_checkpoints(self.run_dir)
+            raise BadTraining(f"{bad_steps} steps in a row had a NaN/Inf loss or gradient (update skipped each "
+                              f"time; trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}); the run stopped. "
+                              f"Last good checkpoint: {found[-1] if found else 'none'}")
+        return bad_steps
+
+    def finish(self, train_seconds: float) -> None:
+        """Final policy, plot, and a summary with each actor's peak memory."""
+        final = self.run_dir / "final"
+        self.fleet.learner.save_hf(str(final))
+        self.loop.on_final(final)
+        self.metrics.close()
+        summary = {**self.summary(), "train_seconds": round(train_seconds, 1)}
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        self._status.finish("finished")
+        log.info("final policy written to %s; summary %s", final, summary)
+        first, last = summary["eval_accuracy_first"], summary["eval_accuracy_last"]
+        evals = f"; held-out accuracy {first:.3f} -> {last:.3f}" if first is not None else ""
+        self.console.print(f"done: {summary['steps']} steps in {train_seconds / 60:.1f} min{evals}; final policy "
+                           f"{final}, summary {self.run_dir / 'summary.json'}")
+
+    def summary(self) -> dict:
+        """``summary.json`` (the loop adds its own keys): steps, start-up, held-out accuracy, each actor's peak RSS."""
+        evals = [m["eval/accuracy"] for m in self.metrics.history if "eval/accuracy" in m]
+        steps = self.metrics.history[-1]["step"] if self.metrics.history else 0
+        # this process's (a resumed run's history also holds the first process's)
+        first_step = next((m["time/first_step_s"] for m in reversed(self.metrics.history)
+                           if "time/first_step_s" in m), None)
+        return {"steps": steps, "startup_s": _round(self.startup_s), "first_step_s": _round(first_step),
+                "algorithm": self.cfg.algorithm.name, "eval_accuracy_first": evals[0] if evals else None,
+                "eval_accuracy_last": evals[-1] if evals else None, "peak_rss_mb": self.fleet.peak_rss(),
+                **self.loop.summary()}
+
+    def _is_eval_step(self, step: int) -> bool:
+        every = self.cfg.trainer.eval_every
+        return every > 0 and step % every == 0
+
+    # ---- what every loop uses ---------------------------------------------------------------------------------
+
+    def learn(self, batch: TrainBatch) -> Update:
+        """Actor update, and the critic's beside it (both groups run concurrently)."""
+        refs = self.fleet.learner.train_async(batch)
+        critic_refs = self.fleet.critic.train_async(batch) if self.fleet.critic else []
+        actor = gather_update(refs)
+        if not critic_refs:
+            return actor
+        critic = gather_update(critic_refs, "critic", role="critic")
+        return Update({**actor.metrics, **critic.metrics}, actor.skipped or critic.skipped)
+
+    def push_weights(self) -> dict:
+        """Learner -> every rollout engine, in place; the policy version advances."""
+        self.version += 1
+        return self.fleet.weight_sync.push(self.version)
+
+    def evaluate(self, step: int) -> dict:
+        """Greedy held-out accuracy through the rollout engines; the completions and their verdicts go to
+        ``<run.dir>/evals/step_<step>.jsonl``, ``trainer.show_samples`` of them to the console and the trackers."""
+        t0, timeouts = time.perf_counter(), verify_timeouts()
+        if self.engines_stale:
+            self.push_weights()
+            self.engines_stale = False
+        samples = self.fleet.rollouts.generate(self.eval_prompts, 1, temperature=0.0, seed=None)
+        correct = self.correct(samples)
+        records = eval_records(samples, correct)
+        write_eval_samples(self.run_dir, step, records)
+        examples = shown(records, self.cfg.trainer.show_samples)
+        self.metrics.log_samples(examples, step)
+        for r in examples:
+            self.console.print(sample_line(step, r))
+        restating = sum(r["restates_prompt"] for r in records) / len(records)
+        out = {"eval/accuracy": sum(correct) / len(correct), "eval/restate_frac": restating,
+               "eval/verify_timeouts": verify_timeouts() - timeouts,
+               "time/eval_s": time.perf_counter() - t0}
+        if self.cfg.env.name:
+            out.update(eval_episode_metrics(samples))
+        return out
+
+    def correct(self, samples: list) -> list[bool]:
+        """Whether each sample is correct by the task's verifier (accuracy metrics)."""
+        return verdicts(self.task.verifier_fn, [(s.prompt_text, s.completion_text, s.metadata) for s in samples])
+
+    def apply_requests(self) -> None:
+        """Resize the rollout and reward pools to what `fleetrl scale` asked for (call it with nothing in flight),
+        and note a `fleetrl stop` request."""
+        import ray
+
+        want = ray.get(self.fleet.controller.desired.remote())
+        if want["stop"] and not self.stop_requested:
+            log.info("stop requested (fleetrl stop): ending after this step with a final eval and the final policy")
+            self.stop_requested = True
+        self.fleet.rollouts.resize(want["rollout"])
+        self.fleet.rewards.resize(want["reward"])
+        if self.fleet.envs is not None:
+            self.fleet.envs.heal()
+            self.fleet.envs.resize(want["env"])
+
+
+class CheckpointFailed(RuntimeError):
+    """A checkpoint could not be written; the previous one is untouched."""
+
+
+class BadTraining(RuntimeError):
+    """Too many consecutive steps with non-finite gradients."""
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 1)
+
+
+def learner_metrics(m: dict) -> dict:
+    """Learner metrics under their role prefix, plus the short names the run summary uses."""
+    out = dict(m)
+    out["loss"] = m.get("actor/loss", float("nan"))
+    out["kl"] = m.get("actor/kl", float("nan"))
+    out["clip_frac"] = m.get("actor/clip_frac", float("nan"))
+    out["entropy"] = m.get("actor/entropy", float("nan"))
+    return out
+
+
+def run_training(cfg: FleetConfig, resume: str | None = None, loop: type[Loop] | None = None,
+                 fleet: Fleet | None = None) -> list[dict]:
+    """Check the inputs, join or start Ray, then run the loop (``loop``: default the config's, :func:`orchestrator.
+    loops.loop_for`) on its own fleet, or on ``fleet`` (kept up after the run). The driver's own log goes to
+    ``<run.dir>/logs/driver.log``."""
+    from orchestrator.loops import loop_for
+
+    loop = loop or loop_for(cfg)
+    cfg = loop.prepare(cfg)
+    if resume:
+        ckpt.resolve(resume, Path(cfg.run.dir))  # a broken checkpoint is named before anything is written
+    if fleet is None and not (cfg.run.ray_address or os.environ.get("RAY_ADDRESS")):
+        check_this_machine(cfg, loop.roles(cfg))  # a private instance: cores and memory, before Ray starts
+    console = Console(verbose=cfg.run.verbose)
+    console.setup_logging(Path(cfg.run.dir))
+    # the loop (its imports, task and tokenizer) before Ray: a Ray job's driver loses its working directory once it
+    # joins the cluster (its files are unpacked again while its first actors start), and transformers and torch
+    # read it when they are first imported; so are the modules the run imports lazily while its actors start
+    run = Run(cfg, loop, resume, console)
+    preload_driver_modules()
+    run.dashboard = init_ray(cfg)
+    if fleet is None:
+        check_resources(cfg, loop.roles(cfg))  # GPUs or resources the cluster lacks: refused before any actor
+    return run.run(fleet)
+
+
+DRIVER_MODULES = ("orchestrator.ops.trackers", "orchestrator.ops.controller", "orchestrator.rl.weight_sync",
+                  "orchestrator.evaluation.samples", "workers.weight_buckets", "workers.nccl_sync")
+"""Modules a training run imports lazily while its fleet starts (:func:`preload_driver_modules`)."""
+
+
+def preload_driver_modules() -> None:
+    """Import :data:`DRIVER_MODULES` now: a Ray job's driver that imports them after joining the cluster can find
+    its working directory's files gone for a moment (test_cluster: ``No module named 'orchestrator.ops.trackers'``
+    from the two-node cluster's job)."""
+    import importlib
+
+    for name in DRIVER_MODULES:
+        importlib.import_module(name)

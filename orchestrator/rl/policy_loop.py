@@ -1,0 +1,306 @@
+"""The RL loop: one step of policy-gradient training, read top to bottom as the algorithm, each phase timed
+(:meth:`PolicyLoop.train_step`):
+
+    generate -> score -> (learner logprobs) -> advantages -> update -> push weights
+
+The driver around it (evals, checkpoints, bad steps, status, summary) is :class:`orchestrator.rl.driver.Run`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from learner.algorithms import advantage_inputs, assemble_advantages
+from learner.batch import TrainBatch, build_batch
+from orchestrator.config import FleetConfig
+from orchestrator.evaluation.samples import restate_frac
+from orchestrator.ops.metrics import PhaseTimer
+from orchestrator.rl.collect import collect
+from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
+from orchestrator.rl.episode_metrics import episode_metrics
+from orchestrator.rl.fleet import Roles, training_roles
+from orchestrator.rl.launch import make_task
+from orchestrator.rl.steps import process_separator, step_ends
+from workers.records import Collected, ScoredSample
+
+log = logging.getLogger("fleetrl")
+
+
+class PolicyLoop(Loop):
+    """The RL step (policy gradients: the GRPO family, PPO with its critic, GDPO, RLOO, online process rewards):
+
+        generate -> score -> (learner logprobs) -> advantages -> update -> push weights
+
+    ``one_step_off``: the next step's batch is generated and scored while this step trains (its prefetch)."""
+
+    def __init__(self, run: Run):
+        super().__init__(run)
+        self.cfg = run.cfg
+        self.prefetch: Future | None = None  # one_step_off: the next step's batch, being generated and scored
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+
+    @classmethod
+    def prepare(cls, cfg: FleetConfig) -> FleetConfig:
+        """The task's data read and checked, a loop that scores samples needs a reward, and every user reward
+        function called once on a sample of the task (:func:`check_rewards`)."""
+        check_rewards(cfg)
+        return cfg
+
+    @classmethod
+    def roles(cls, cfg: FleetConfig) -> Roles:
+        """The actors this loop uses (:func:`orchestrator.rl.fleet.training_roles`): RL generates every step."""
+        return training_roles(cfg, generates=True)
+
+    def in_flight(self) -> Collected | None:
+        return None if self.prefetch is None else self.prefetch.result().batch
+
+    def resume_in_flight(self, batch: Collected) -> None:
+        self.prefetch = Future()
+        self.prefetch.set_result(InFlight(batch, PhaseTimer()))
+
+    def train_step(self, step: int) -> StepResult:
+        timer = PhaseTimer()
+        collected = self.rollout_batch(step, timer)
+        scored = collected.scored
+        staleness = self._check_staleness(scored)
+        if self.cfg.run.dump_rollouts:
+            self._dump(step, scored)
+        batch = self._to_batch(scored)
+        with timer("logprobs"):
+            if separate_logprob_pass(self.cfg):
+                batch = self.run.fleet.learner.compute_logprobs(batch)
+            else:  # old logprobs come from the update's first pass, the reference pass is fused into it
+                batch.old_logprobs = None
+            if self.run.fleet.critic:
+                batch.old_values = self.run.fleet.critic.compute_values(batch)
+        with timer("advantages"):
+            steps = self.step_rewards(scored) if self.cfg.uses_process_rewards else None
+            batch.advantages, batch.returns = self.advantages(scored, batch, steps)
+        with timer("learn"):
+            update = self.run.learn(batch)
+            train_metrics = update.metrics
+        with timer("rollout_wait"):  # one_step_off: the engines finish the next batch before they reload
+            queued = self._wait_prefetch()
+        self.run.apply_requests()
+        with timer("sync"):
+            sync_metrics = self.run.push_weights()
+        out = {**self._rollout_metrics(scored, batch, collected.reward_errors, train_metrics, staleness),
+               **learner_metrics(train_metrics), **sync_metrics, **collected.info,
+               **self._timing(timer, train_metrics, queued)}
+        if steps is not None:
+            present = steps[1] >= 0
+            out["process/step_reward_mean"] = float(steps[0][present].mean())
+            out["process/steps_per_sample"] = float(present.sum(1).float().mean())
+        out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
+        out["throughput/samples_per_s"] = len(scored) / out["time/step_s"]
+        return StepResult(out, update.skipped, collected.reward_errors)
+
+    def rollout_batch(self, step: int, timer: PhaseTimer) -> Collected:
+        """The step's scored groups. ``sync``: generated now. ``one_step_off``: the batch generated during the
+        previous step (generated now only at the first step or after a resume), and generation of the next
+        batch starts at once with the current weights, concurrently with this step's update."""
+        if self.prefetch is None:
+            out = collect(self.run, step, timer)
+        else:
+            done = self.prefetch.result()
+            self.prefetch, out = None, done.batch
+            for phase, seconds in done.timer.seconds.items():
+                timer.seconds[f"{phase}_overlapped"] = seconds
+        if self.cfg.rollout.mode == "one_step_off" and step + 1 < self.cfg.trainer.total_steps:
+            self.prefetch = self.pool.submit(self._collect_timed, step + 1)
+        return out
+
+    def _collect_timed(self, step: int) -> InFlight:
+        timer = PhaseTimer()
+        return InFlight(collect(self.run, step, timer), timer)
+
+    def _wait_prefetch(self) -> int:
+        """Block until the in-flight batch is generated and scored; returns how many prompts it holds."""
+        if self.prefetch is None:
+            return 0
+        return len({x.sample.prompt_uid for x in self.prefetch.result().batch.scored})
+
+    def _check_staleness(self, scored: list[ScoredSample]) -> int:
+        """How many versions the oldest sample lags the learner; past ``rollout.max_staleness`` is an error."""
+        oldest, version = min(x.sample.policy_version for x in scored), self.run.version
+        if version - oldest > self.cfg.rollout.max_staleness:
+            raise RuntimeError(f"samples from policy version {oldest} reached the learner at version {version}:"
+                               f" more than rollout.max_staleness={self.cfg.rollout.max_staleness} behind")
+        return version - oldest
+
+    def _timing(self, timer: PhaseTimer, train_metrics: dict, queued: int) -> dict:
+        """Phase times, throughput, and ``time/overhead_s``: step time not spent generating (engines) or in the
+        learner's forward/backward/optimizer. In one_step_off those two overlap, so only the longer counts."""
+        out = timer.metrics()
+        learner_s = out.get("time/logprobs_s", 0.0) + max(train_metrics.get("time/actor_compute_s", 0.0),
+                                                          train_metrics.get("time/critic_compute_s", 0.0))
+        if self.cfg.rollout.mode == "one_step_off":
+            gen = out.get("time/generate_s", 0.0) + out.get("time/generate_overlapped_s", 0.0)
+            busy = max(gen, learner_s + out.get("time/rollout_wait_s", 0.0))
+        else:
+            busy = out.get("time/generate_s", 0.0) + learner_s
+        out["time/overhead_s"] = max(0.0, out["time/step_s"] - busy)
+        out["rollout/queue_depth"] = queued
+        return out
+
+    def _dump(self, step: int, scored: list[ScoredSample]) -> None:
+        out = self.run.run_dir / "rollouts"
+        out.mkdir(exist_ok=True)
+        rows = [{"uid": x.sample.prompt_uid, "j": x.sample.sample_index, "worker": x.sample.worker,
+                 "policy_version": x.sample.policy_version, "prompt": x.sample.prompt_text,
+                 "prompt_ids": x.sample.prompt_ids, "completion": x.sample.completion_text,
+                 "completion_ids": x.sample.completion_ids, "finish_reason": x.sample.finish_reason,
+                 "reward": x.reward, "components": x.components, "loss_mask": x.sample.loss_mask,
+                 "episode": dataclasses.asdict(x.sample.episode) if x.sample.episode else None} for x in scored]
+        (out / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def step_rewards(self, scored: list[ScoredSample]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Process supervision: cut each completion into steps (at tokens whose text holds the step separator)
+        and score every step. With ``prm.path``: the PRM's step scores times ``prm.process_weight`` (for GRPO-style
+        methods the outcome reward is added on the last step, so the steps carry all the credit; PPO already has
+        it on the last token); else the reward functions on every step's prefix. Returns ``(step_rewards [B, S],
+        step_ends [B, S])`` with -1 ends for absent steps."""
+        sep = process_separator(self.cfg)
+        ends = [step_ends([self.run.tokenizer.decode([t]) for t in x.sample.completion_ids], sep) for x in scored]
+        if self.run.fleet.prm is not None:
+            values = iter(self._prm_step_rewards(scored, ends))
+        else:
+            prefixes = [dataclasses.replace(x.sample, completion_text=self.run.tokenizer.decode(
+                x.sample.completion_ids[: e + 1], skip_special_tokens=True)) for x, es in zip(scored, ends)
+                for e in es]
+            values = iter([r.reward for r in self.run.fleet.rewards.score(prefixes)[0]])
+        S = max(1, max(len(e) for e in ends))
+        step_rewards = torch.zeros(len(scored), S)
+        end_index = torch.full((len(scored), S), -1, dtype=torch.long)
+        for i, es in enumerate(ends):
+            for k, e in enumerate(es):
+                step_rewards[i, k], end_index[i, k] = next(values), e
+        return step_rewards, end_index
+
+    def _prm_step_rewards(self, scored: list[ScoredSample], ends: list[list[int]]) -> list[float]:
+        """Flat per-step rewards from the PRM, in (sample, step) order."""
+        items = []
+        for x, es in zip(scored, ends):
+            ids, starts = x.sample.completion_ids, [0] + [e + 1 for e in es[:-1]]
+            items.append((x.sample.prompt_text, [self.run.tokenizer.decode(ids[a: b + 1], skip_special_tokens=True)
+                                                 for a, b in zip(starts, es)]))
+        scores = self.run.fleet.prm.score(items)
+        w, outcome = self.cfg.prm.process_weight, not self.cfg.algorithm.uses_critic
+        out = []
+        for x, per_step in zip(scored, scores):
+            values = [w * v for v in per_step]
+            if outcome and values:
+                values[-1] += x.reward
+            out += values
+        return out
+
+    def advantages(self, scored: list[ScoredSample], batch: TrainBatch, steps=None):
+        """Per-token (advantages, returns) from the configured algorithm (:mod:`learner.algorithms`)."""
+        turns = [(x.sample.episode.turn_ends, x.sample.episode.turn_rewards) for x in scored] \
+            if self.cfg.env.name else None
+        inputs = advantage_inputs([s.reward for s in scored], [s.components for s in scored],
+                                  [s.sample.prompt_uid for s in scored], batch.response_mask, values=batch.old_values,
+                                  old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs, steps=steps,
+                                  turns=turns)
+        return assemble_advantages(self.cfg.algorithm, inputs)
+
+    def _pool_metrics(self) -> dict:
+        """Each generating pool's size and its replacements (``faults/*``)."""
+        f, out = self.run.fleet, {}
+        for role, pool in (("rollout", f.rollouts), ("reward", f.rewards), ("env", f.envs)):
+            if pool is not None:
+                out[f"{role}/workers"] = len(pool.workers)
+                out[f"faults/{role}_restarts"] = pool.restarts
+                if role != "env":
+                    out[f"faults/{role}_recovery_s"] = pool.recovery_s
+        return out
+
+    def _to_batch(self, scored: list[ScoredSample]) -> TrainBatch:
+        return samples_to_batch([x.sample for x in scored], self.run.pad_id, self.cfg.algorithm.mask_truncated)
+
+    def _rollout_metrics(self, scored: list[ScoredSample], batch: TrainBatch, reward_errors: int,
+                         train_metrics: dict, staleness: int) -> dict:
+        rewards = torch.tensor([s.reward for s in scored])
+        correct = self.run.correct([x.sample for x in scored])
+        mask = batch.response_mask.bool()
+        if "actor/rollout_logprob_gap_max" in train_metrics:  # measured in the update's first pass
+            diff = torch.tensor([train_metrics["actor/rollout_logprob_gap_max"]])
+        elif batch.old_logprobs is not None:
+            diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask]
+        else:
+            diff = torch.zeros(0)
+        lengths = torch.tensor([len(x.sample.completion_ids) for x in scored], dtype=torch.float32)
+        components = {f"reward/{name}": sum(x.components.get(name, 0.0) for x in scored) / len(scored)
+                      for name in sorted({k for x in scored for k in x.components})}
+        return {**components, **(episode_metrics([x.sample for x in scored]) if self.cfg.env.name else {}),
+            "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "reward/errors": reward_errors, "train/accuracy": sum(correct) / len(correct),
+            "train/restate_frac": restate_frac([x.sample for x in scored]),
+            "tokens_generated": int(lengths.sum()), "response/length_mean": lengths.mean().item(),
+            "response/truncated_frac": sum(x.sample.finish_reason == "length" for x in scored) / len(scored),
+            # |learner - engine| logprob of the batch's tokens: rounding for samples of the current version, plus
+            # the updates since for older ones (one_step_off), which the truncated IS weighs. Whether the push
+            # arrived is weight_sync/logprob_max_diff (orchestrator/rl/weight_sync.py), in every mode.
+            "rollout/logprob_gap_max": diff.max().item() if diff.numel() else 0.0,
+            "rollout/policy_version_min": min(x.sample.policy_version for x in scored),
+            "rollout/staleness_max": staleness,
+            "rollout/samples": len(scored), "rollout/unique_prompts": len({x.sample.prompt_uid for x in scored}),
+            **self._pool_metrics(),
+        }
+
+
+@dataclasses.dataclass
+class InFlight:
+    """one_step_off: the next step's batch, generated and scored while this step trains, and its phase times."""
+
+    batch: Collected
+    timer: PhaseTimer
+
+
+def check_rewards(cfg: FleetConfig) -> None:
+    """The task (a dataset's rows read and checked), a reward to train on, and each user reward function (an
+    import path) called once on a training prompt with its reference answer as the completion: a ConfigError
+    naming it when it raises, hangs or returns no number."""
+    from orchestrator.config import ConfigError
+    from rewards.functions import preflight_reward_function
+    from rewards.judge import NAME
+
+    r = cfg.reward
+    if not r.functions and not r.model.path:
+        raise ConfigError("reward.functions: empty, and no reward.model.path: a run that samples needs a reward "
+                          "(e.g. [{name: math}])")
+    task = make_task(cfg)  # a dataset's rows are read and checked here
+    users = [f for f in r.functions if ":" in f.name and f.name != NAME]
+    if not users:
+        return
+    prompt = task.train_batch(0, 1)[0]
+    sample = (prompt.text, str(prompt.metadata.get("answer", "")), prompt.metadata)
+    for f in users:
+        try:
+            preflight_reward_function(f.name, f.params, sample)
+        except ValueError as e:
+            raise ConfigError(f"reward.functions[{r.functions.index(f)}]: {e}") from None
+
+
+def samples_to_batch(samples: list, pad_id: int, mask_truncated: bool = False) -> TrainBatch:
+    """Samples in the learner's layout, padded with the tokenizer's ``pad_id`` (masks, not the pad id, say what is
+    real). ``mask_truncated``: a completion cut at the length cap (finish reason ``length``) gets no loss; it
+    still counts as a sequence in the loss's per-sequence normalizers and its reward in its group's baseline."""
+    batch = build_batch([x.prompt_ids for x in samples], [x.completion_ids for x in samples],
+                        [x.logprobs for x in samples], pad_id, [x.loss_mask for x in samples])
+    if mask_truncated:
+        batch.response_mask[torch.tensor([x.finish_reason == "length" for x in samples])] = 0.0
+    return batch
+
+
+def separate_logprob_pass(cfg: FleetConfig) -> bool:
+    """Whether old/reference logprobs need their own forward pass before the update (see learner.logprob_pass):
+    only when the batch is used more than once, or PPO needs them for its KL-shaped rewards before the update."""
+    c = cfg
+    used_once = c.learner.epochs == 1 and c.learner.num_minibatches == 1 and not c.algorithm.uses_critic
+    return c.learner.logprob_pass == "always" or not used_once
