@@ -34,7 +34,8 @@ def measure(s: dict, tools: str) -> dict:
 
     from orchestrator.config import load_config
     from orchestrator.rl.launch import ensure_model, make_task, max_model_len
-    from orchestrator.rl.pools import RolloutPool, env_spec
+    from orchestrator.rl.pools import RolloutPool
+    from orchestrator.rl.specs import env_spec
 
     cfg = load_config("configs/tool_calc.yaml", ["rollout.num_workers=2", f"env.tools=[{tools}]",
                                                  f"rollout.group_size={s['G']}"])

@@ -86,7 +86,7 @@ def torch_loop(model: str, samples: int, response: int, threads: int, repeats: i
     from learner.forward import HiddenStatesLM, policy_logprobs
     from learner.losses import call_loss
     from learner.packing import micro_batches
-    from orchestrator.rl.pools import learner_layout
+    from orchestrator.rl.specs import learner_layout
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -124,7 +124,7 @@ def fleetrl_rank(model: str, samples: int, response: int, rank: int, world: int,
 
     from learner.algorithms import loss_kwargs
     from learner.worker import LearnerSpec, LearnerWorker, ds_config
-    from orchestrator.rl.pools import learner_layout, learner_temperature
+    from orchestrator.rl.specs import learner_layout, learner_temperature
 
     cfg = _config(model, [f"learner.num_ranks={world}", f"learner.zero_stage={zero}"])
     lc = cfg.learner

@@ -30,7 +30,7 @@ def _set_dist_env(rank: int, world_size: int, master_addr: str, master_port: int
 @dataclass(frozen=True)
 class LearnerSpec:
     """What a learner group trains and how: the typed record the driver sends every rank
-    (:func:`orchestrator.rl.pools.learner_spec` builds it from the config). ``role="actor"``: causal LM policy +
+    (:func:`orchestrator.rl.specs.learner_spec` builds it from the config). ``role="actor"``: causal LM policy +
     frozen reference (``reference``), trained with the registered loss of ``loss_kwargs``; ``lora``
     (:meth:`orchestrator.config.lora.LoraSection.spec`): PEFT adapters on it, the base frozen and serving as the
     reference with the adapters off (:mod:`learner.lora`). ``role="critic"``: the same architecture with a scalar

@@ -115,7 +115,7 @@ def test_separate_logprob_pass_only_when_the_batch_is_used_more_than_once(overri
 def test_learner_temperature_is_the_sampling_one_only_for_policy_gradients(algorithm, temperature):
     """PPO-family ratios compare against the policy that sampled at rollout.temperature; SFT, DPO and PRM losses
     are the model's own likelihoods (an NLL at temperature 0.7 would train a sharper model than the data)."""
-    from orchestrator.rl.pools import learner_temperature
+    from orchestrator.rl.specs import learner_temperature
 
     cfg = FleetConfig.model_validate({"algorithm": {"name": algorithm}, "rollout": {"temperature": 0.7}})
     assert learner_temperature(cfg) == temperature

@@ -131,7 +131,7 @@ def test_cpu_engines_get_the_cores_when_they_generate_alone():
     import os
 
     from orchestrator.rl.fleet import fit_keys
-    from orchestrator.rl.pools import engine_threads
+    from orchestrator.rl.specs import engine_threads
 
     cores = os.cpu_count()
     assert engine_threads(load_config(None, ["rollout.num_workers=1"])) == cores

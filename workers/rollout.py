@@ -30,7 +30,7 @@ CPU_ENV = {
 @dataclass(frozen=True)
 class EngineSpec:
     """What one vLLM engine serves and how: the typed record the driver sends a `rollout-i` (or `judge-i`) actor
-    (:func:`orchestrator.rl.pools.engine_spec` builds it from the config). ``enforce_eager`` None: eager on CPU.
+    (:func:`orchestrator.rl.specs.engine_spec` builds it from the config). ``enforce_eager`` None: eager on CPU.
     ``partial_push``: pushes carry only some layers (LoRA's merged push), the rest keep their tensors. ``lora``
     (:meth:`LoraSection.engine_spec`): serve the policy as base + the pushed LoRA adapter. ``stop``: strings that
     end every completion (kept in its text), besides the model's end-of-turn tokens."""

@@ -194,7 +194,7 @@ def prm_config(cfg: FleetConfig) -> FleetConfig:
     if not cfg.prm.labels:
         raise ConfigError("prm.labels: give the JSONL written by `fleetrl prm label` (or --labels FILE)")
     split(load_labels(cfg.prm.labels), cfg.prm)
-    return objective_config(cfg, {"name": "prm"})  # scored at temperature 1 (pools.learner_temperature)
+    return objective_config(cfg, {"name": "prm"})  # scored at temperature 1 (specs.learner_temperature)
 
 
 def split(rows: list[dict], p) -> tuple[list[dict], list[dict]]:

@@ -369,7 +369,7 @@ def fit_keys(cfg: FleetConfig) -> dict[str, object]:
     from dataclasses import replace
 
     from orchestrator.rl.launch import max_model_len
-    from orchestrator.rl.pools import engine_spec, engine_threads, placement_key
+    from orchestrator.rl.specs import engine_spec, engine_threads, placement_key
 
     c = cfg.model_dump(mode="json")
     r = c["rollout"]
