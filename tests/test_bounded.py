@@ -3,7 +3,6 @@ at the limit, counted, and scored wrong; the other verdicts of their batch are u
 Through the driver's correctness path (:func:`rewards.functions.verdicts`) and through a real reward actor (Ray)."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import pytest
 
 from rewards.bounded import BoundedPool
 from rewards.functions import math_reward
+from tests.conftest import subprocess_env
 
 HANGING = [  # each ran > 40 s in math-verify against a symbolic reference (issue 41)
     ("\\boxed{10^{10^{10}}}", "2\\sqrt{3}"), ("\\boxed{9^{9^{9^{9}}}}", "2\\sqrt{3}"),
@@ -122,7 +122,7 @@ def test_a_real_reward_actor_stops_hanging_completions_and_dies_with_its_process
     from tests.conftest import shared_ray_env
     from tests.test_e2e import ROOT
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", **shared_ray_env())
+    env = subprocess_env(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", **shared_ray_env())
     proc = subprocess.run([sys.executable, "-c", ACTOR_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

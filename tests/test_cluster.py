@@ -21,7 +21,7 @@ from orchestrator.config import EMBEDDED_MODEL_PATH
 from orchestrator.models.embedded_model import init_model
 from orchestrator.ops.controller import METRICS as CONTROLLER_METRICS
 from rewards.tasks import ArithmeticTask
-from tests.conftest import free_ports, node_ports_args, stop_ray_processes
+from tests.conftest import free_ports, node_ports_args, stop_ray_processes, subprocess_env
 from tests.test_e2e import ROOT
 
 BIN = Path(sys.executable).parent
@@ -34,7 +34,7 @@ def cluster(tmp_path):
     gcs, dash, *p = free_ports(10)
     # with a token in ~/.ray/auth_token the head turns token auth on; a joining node opts in with RAY_AUTH_MODE=token.
     # The fleetrl commands get no such variable: they must find and send the token themselves.
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PATH=f"{BIN}:{os.environ['PATH']}")
+    env = subprocess_env(RAY_USAGE_STATS_ENABLED="0", PATH=f"{BIN}:{os.environ['PATH']}")
     for key in ("RAY_ADDRESS", "RAY_AUTH_MODE"):
         env.pop(key, None)
     node_env = dict(env, RAY_AUTH_MODE="token")

@@ -3,7 +3,6 @@
 the metrics file is complete, and that the final policy loads in transformers with the learner's logprobs."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FLEET_SERVER, shared_ray_env
+from tests.conftest import FLEET_SERVER, shared_ray_env, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ["step", "policy_version", "reward/mean", "reward/std", "train/accuracy", "loss", "kl", "clip_frac",
@@ -22,7 +21,7 @@ REQUIRED = ["step", "policy_version", "reward/mean", "reward/std", "train/accura
 
 def train(run_dir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """`fleetrl train` as a user runs it (not a TTY here, so the console prints one line per step)."""
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", **shared_ray_env())
+    env = subprocess_env(RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", **shared_ray_env())
     config = list(args[:2]) if args[:1] == ("-c",) else []  # a config file goes before the overrides
     cmd = [sys.executable, "-m", "orchestrator", "train", *config, f"run.dir={run_dir}", *args[len(config):]]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import fleetrl, shared_ray_env
+from tests.conftest import fleetrl, shared_ray_env, subprocess_env
 from tests.test_e2e import ROOT, train
 
 DRIVER = textwrap.dedent("""
@@ -46,9 +46,8 @@ DRIVER = textwrap.dedent("""
 
 
 def _run(tmp_path):
-    import os
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", **shared_ray_env())
+    env = subprocess_env(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", **shared_ray_env())
     r = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -3,6 +3,7 @@ made by `fleetrl config show` and by `fleetrl train` before anything starts. No 
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -97,31 +98,41 @@ def test_a_fleet_keeps_for_the_next_run_only_the_actors_that_fit_it():
     assert changed("model.path=.fleetrl/models/calc-base") >= {"rollout"}  # another model shape (vocabulary)
 
 
-def test_engines_are_kept_without_a_learner_only_while_they_hold_the_runs_model(monkeypatch):
-    """A run without a learner (eval, search, PRM labelling) cannot push its model into kept engines: it keeps them
-    only when they hold that model's weights unchanged, never after a training run pushed into them."""
+def test_engines_serve_a_run_without_a_learner_only_with_its_model(monkeypatch, tmp_path):
+    """A run without a learner (eval, search, PRM labelling) has no learner to push its model into kept engines: it
+    keeps them when they hold that model unchanged, or when the model's safetensors can be loaded into them in
+    place (:meth:`RolloutPool.load_model`, after a training run pushed into them); else it starts new ones."""
     from orchestrator.rl.fleet import Fleet, Roles, _engine_weights
 
-    train = load_config(None, ["rollout.num_workers=1"])
-    evaluate = load_config(None, ["rollout.num_workers=1", "run.dir=runs/eval"])
     fleet = Fleet.__new__(Fleet)
     fleet.learner = fleet.critic = fleet.envs = fleet.feedback = fleet.prm = fleet.orm = fleet.controller = None
     fleet.rewards = None
     monkeypatch.setattr(Fleet, "_dead", lambda self, roles, timeout_s=60.0: set())
     monkeypatch.setattr(Fleet, "_stop", lambda self, role: None)
 
-    class Engines:  # the group's attributes _keep touches
-        cfg, restarts, recovery_s = train, 0, 0.0
+    def kept_after(model: Path, first: Roles, then: Roles, *extra: str) -> set[str]:
+        train = load_config(None, ["rollout.num_workers=1", f"model.path={model}", *extra])
+        evaluate = load_config(None, ["rollout.num_workers=1", f"model.path={model}", "run.dir=runs/eval", *extra])
 
-    def kept_after(first: Roles, then: Roles) -> set[str]:
+        class Engines:  # the group's attributes _keep touches
+            cfg, restarts, recovery_s = train, 0, 0.0
+
         fleet.rollouts = Engines()
         fleet.engine_weights = _engine_weights(train, first)
         return fleet._keep(train, evaluate, then, None)
 
-    eval_roles = Roles(rollout=True)
-    assert kept_after(Roles(rollout=True), eval_roles) == {"rollout"}  # an eval after an eval of the same model
-    assert kept_after(Roles(learner=True, rollout=True), eval_roles) == set()  # after training: new engines
-    assert kept_after(Roles(learner=True, rollout=True), Roles(learner=True, rollout=True)) == {"rollout"}
+    safetensors, torch_bin = tmp_path / "st", tmp_path / "bin"
+    header = b'{"model.layers.0.self_attn.q_proj.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'
+    for d, file in ((safetensors, "model.safetensors"), (torch_bin, "pytorch_model.bin")):
+        d.mkdir()
+        (d / file).write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    evaluates, trains = Roles(rollout=True), Roles(learner=True, rollout=True)
+    for model in (safetensors, torch_bin):
+        assert kept_after(model, evaluates, evaluates) == {"rollout"}  # an eval after an eval of the same model
+        assert kept_after(model, trains, trains) == {"rollout"}  # the learner pushes the new run's model
+    assert kept_after(safetensors, trains, evaluates) == {"rollout"}  # after training: reloaded from disk
+    assert kept_after(torch_bin, trains, evaluates) == set()  # not loadable in place: new engines
+    assert kept_after(safetensors, trains, evaluates, "learner.lora.rank=4") == set()  # adapters in the engines
 
 
 def test_cpu_engines_get_the_cores_when_they_generate_alone():

@@ -12,7 +12,7 @@ import pytest
 
 from orchestrator.rl import checkpoint as ckpt
 from rewards.tasks import ArithmeticTask
-from tests.conftest import fleetrl, shared_ray_env
+from tests.conftest import fleetrl, shared_ray_env, subprocess_env
 from tests.test_e2e import ROOT
 
 SMALL = ["data.prompts_per_step=4", "rollout.group_size=4", "data.eval_size=16", "rollout.num_workers=1",
@@ -20,7 +20,7 @@ SMALL = ["data.prompts_per_step=4", "rollout.group_size=4", "data.eval_size=16",
 
 
 def _env() -> dict:
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1")
+    env = subprocess_env(RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1")
     env.pop("RAY_ADDRESS", None)
     env.update(shared_ray_env())
     return env

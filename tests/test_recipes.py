@@ -18,6 +18,7 @@ from orchestrator.recipes.cold_start import addition_steps, cold_start_rows, wri
 from orchestrator.recipes.data import Example, ExampleRenderer, draw, examples_batch, load_pairs, load_sft_rows
 from orchestrator.recipes.pipeline import load_recipe
 from rewards.datasets import DatasetError
+from tests.conftest import subprocess_env
 from tests.test_envs import smollm2_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -203,7 +204,7 @@ def _recipe(tmp_path, text: str):
 
 
 def _pipeline(recipe, *overrides):
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1")
+    env = subprocess_env(RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1")
     env.pop("RAY_ADDRESS", None)
     return subprocess.run([sys.executable, "-m", "orchestrator", "pipeline", "-c", str(recipe), *overrides], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=120)

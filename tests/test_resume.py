@@ -1,14 +1,13 @@
 """Checkpoint, exact resume in every rollout mode and ZeRO stage, and export, on the real stack."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from tests.conftest import cli, shared_ray_env
+from tests.conftest import cli, shared_ray_env, subprocess_env
 from tests.test_e2e import ROOT, run_fleetrl
 
 COMMON = ["trainer.total_steps=4", "trainer.save_every=2", "trainer.eval_every=0", "rollout.num_workers=1",
@@ -149,7 +148,7 @@ def test_full_disk_during_checkpoint_keeps_previous_one(tmp_path):
         cmd = [sys.executable, "-m", "orchestrator", "train", f"run.dir={run_dir}", "trainer.total_steps=4",
                "trainer.eval_every=0", "trainer.save_every=1", "trainer.keep_checkpoints=1", "rollout.num_workers=1",
                "learner.num_ranks=1", "learner.zero_stage=0"]
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", **shared_ray_env())
+        env = subprocess_env(RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", **shared_ray_env())
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 1
         assert "checkpoint at step 2 failed" in r.stderr and "MB free" in r.stderr, r.stderr[-3000:]

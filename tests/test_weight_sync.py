@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import shared_ray_env
+from tests.conftest import shared_ray_env, subprocess_env
 from tests.test_e2e import ROOT
 
 DRIVER = textwrap.dedent("""
@@ -62,6 +62,11 @@ DRIVER = textwrap.dedent("""
     base = load_file(f"{cfg.model.path}/model.safetensors")
     out["moved"] = max((learner[k] - base[k]).abs().max().item() for k in base)
     out["learner_tensors"] = len(learner)
+    # a run without a learner on these engines (Fleet.serve) loads its model from disk into them, in place
+    fleet.rollouts.load_model(cfg.model.path)
+    learner = dict(base, **({"lm_head.weight": base["model.embed_tokens.weight"]} if tied else {}))
+    out["reloaded"] = [max(diff(n, t) for n, t in ray.get(w.engine_weights.remote()).items())
+                       for w in fleet.rollouts.workers]
     print("RESULT " + json.dumps(out), flush=True)
 """)
 
@@ -98,13 +103,12 @@ def untied_copy(tmp: Path) -> Path:
 @pytest.mark.parametrize("sync,tied,mode", [("collective", True, "one_step_off"),
                                             ("object_store", False, "one_step_off")])
 def test_every_engine_parameter_equals_the_learners_after_several_pushes(tmp_path, sync, tied, mode):
-    import os
 
     overrides = [f"rollout.weight_sync={sync}", f"rollout.mode={mode}", "rollout.num_workers=2",
                  "learner.num_ranks=2", "learner.zero_stage=2"]
     if not tied:
         overrides.append(f"model.path={untied_copy(tmp_path)}")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", **shared_ray_env())
+    env = subprocess_env(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", **shared_ray_env())
     r = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path / "run"), json.dumps(overrides)], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
@@ -112,6 +116,7 @@ def test_every_engine_parameter_equals_the_learners_after_several_pushes(tmp_pat
     out = json.loads(lines[0][len("RESULT "):])
     assert out["tied"] == tied and out["versions"] == [0, 1, 2, 3]
     assert out["moved"] > 1e-4  # the policy really changed, so stale engine weights would show
+    assert out["reloaded"] == [0.0, 0.0]  # the base model loaded back from disk, every parameter
     for engine in out["engines"]:
         assert engine["version"] == 3
         assert engine["threads"] == 1  # one_step_off: the engines generate while the learner trains

@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from common.actor_logs import LoggedActor
 from common.imports import skip_unused_imports
@@ -228,6 +229,25 @@ class RolloutWorker(LoggedActor):
         self.llm.reset_prefix_cache()
         self.policy_version = version
         return {"tensors": loaded[0], "seconds": time.perf_counter() - t0, "version": version}
+
+    def load_model_weights(self, path: str) -> dict:
+        """Reload the engine in place from the model directory ``path`` (its ``*.safetensors`` files, read one
+        tensor at a time): a fleet that serves a run without a learner gets the run's model into kept engines
+        this way instead of starting new ones. The policy version is 0 again."""
+        from safetensors import safe_open
+
+        t0 = time.perf_counter()
+
+        def stream() -> Iterator:
+            for file in sorted(Path(path).glob("*.safetensors")):
+                with safe_open(str(file), framework="pt") as weights:
+                    for name in weights.keys():  # noqa: SIM118 - safe_open is not a mapping
+                        yield name, weights.get_tensor(name)
+
+        loaded = self.llm.collective_rpc("fleetrl_reload_weights", args=(stream(),))
+        self.llm.reset_prefix_cache()
+        self.policy_version = 0
+        return {"tensors": loaded[0], "seconds": time.perf_counter() - t0, "version": 0}
 
     def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> list[int]:
         """Every worker of this engine joins the learner's weight group (see :mod:`workers.nccl_sync`)."""

@@ -8,20 +8,6 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from orchestrator.config.algorithm_sections import (  # noqa: F401 - re-exported: the algorithm sections are part of the config
-    ALGORITHMS,
-    AlgorithmConfig,
-    DrGRPOConfig,
-    GDPOConfig,
-    GRPOConfig,
-    GRPOProcessConfig,
-    LossConfig,
-    PPOConfig,
-    ReinforcePPBaselineConfig,
-    ReinforcePPConfig,
-    RewardCondition,
-    RLOOConfig,
-)
 from orchestrator.config.lora import LoraSection
 from orchestrator.config.section import Section
 

@@ -136,7 +136,9 @@ class Fleet:
         if self.rewards is not None and judge is not None:
             self.rewards.judge_engines = self.feedback or self.rollouts
         self.controller = self._controller() if roles.controller else None
-        if roles.rollout and (roles.learner or "rollout" not in kept):
+        if "rollout" in kept and not roles.learner and self.engine_weights != cfg.model.path:
+            self.rollouts.load_model(cfg.model.path)  # no learner to push the run's model: from disk, in place
+        if roles.rollout:
             self.engine_weights = _engine_weights(cfg, roles)
         ray.get(loading)
         self.wait()
@@ -158,8 +160,8 @@ class Fleet:
         kept = {r for r in roles.names() if r != "controller" and getattr(self, _ATTR[r]) is not None
                 and before[r] == after[r]}
         kept -= self._dead(kept)  # an actor the last run lost (killed, out of memory) takes its group with it
-        if "rollout" in kept and not (roles.learner or self.engine_weights == cfg.model.path):
-            kept.discard("rollout")  # no learner to push the run's model from, and the engines hold other weights
+        if "rollout" in kept and not (roles.learner or self.engine_weights == cfg.model.path or reloadable(cfg)):
+            kept.discard("rollout")  # no learner to push the run's model, and it cannot be loaded from disk
         if judge is not None or (self.rewards is not None and self.rewards.judge is not None):
             kept.discard("reward")  # the judge reward holds engines of the run that made it
         for role in set(_ATTR) - kept:
@@ -292,6 +294,12 @@ class Fleet:
         c = self.cfg
         return start_controller(Path(c.run.dir).name, c.rollout.num_workers if self.rollouts else 0,
                                 c.reward.num_workers if self.rewards else 0, c.env.num_workers if self.envs else 0)
+
+
+def reloadable(cfg: FleetConfig) -> bool:
+    """Whether kept engines can load ``model.path`` from disk in place (:meth:`RolloutPool.load_model`): its
+    weights are safetensors files and the engines serve no LoRA adapter."""
+    return not cfg.learner.lora.enabled and any(Path(cfg.model.path).glob("*.safetensors"))
 
 
 def _engine_weights(cfg: FleetConfig, roles: Roles) -> str | None:

@@ -170,6 +170,12 @@ class RolloutPool(ActorPool):
         if buckets:
             ray.get(worker.load_weights.remote(buckets, self.version))
 
+    def load_model(self, path: str) -> None:
+        """Every engine reloads the weights of the model directory ``path`` from disk, in place (a run without a
+        learner on engines a training run pushed into); a replacement engine then starts from ``path`` too."""
+        ray.get([w.load_model_weights.remote(path) for w in self.workers])
+        self.buckets, self.version = [], 0
+
     def generate(self, prompts: list[Prompt], group_size: int, temperature: float, seed: int | None,
                  prefixes: list[list[int]] | None = None, stop: list[str] | None = None,
                  max_new_tokens: int | None = None) -> list[Sample]:
