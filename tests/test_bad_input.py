@@ -64,6 +64,11 @@ def _run(capsys, *argv: str) -> tuple[int, str]:
 ])
 def test_bad_input_gets_one_line_and_exit_2(capsys, monkeypatch, tmp_path, argv, words):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+    def build(cfg):  # refused before the embedded model is built (1.5 min on 2 cores on a clean clone)
+        raise AssertionError(f"the model of {argv} would be built before the refusal")
+
+    monkeypatch.setattr("orchestrator.ops.cli.ensure_model", build)
     code, err = _run(capsys, *argv, *([f"run.dir={tmp_path}/run"] if argv[0] == "train" else []))
     assert code == 2, err
     assert "Traceback" not in err and len(err.splitlines()) <= 2, err

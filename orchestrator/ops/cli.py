@@ -358,11 +358,11 @@ def main(argv: list[str] | None = None, fleet=None) -> int:
         if args.command == "config":
             return _config(args, overrides)
         cfg = load_run_config(args.config, overrides, args.stage)
-        ensure_model(cfg)
         if args.command == "train":
             from orchestrator.loops import prepare
 
-            prepare(cfg)  # every input checked before Ray starts or any run file is written
+            prepare(cfg)  # every input checked before the embedded model is built, Ray starts or a file is written
+        ensure_model(cfg)
         from rewards.reward_model import ensure_reward_model
 
         ensure_reward_model(cfg.reward.model.path, cfg.model.path)
