@@ -339,6 +339,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def check_and_build(command: str, cfg: FleetConfig) -> None:
+    """`train`: every input checked (:func:`orchestrator.loops.prepare`) before the embedded model is built, Ray
+    starts or a file is written (with ``data.path`` the model comes first: a dataset's prompts are measured in its
+    tokens); then the model, built when it is the embedded one and missing."""
+    if command == "train":
+        from orchestrator.loops import prepare
+
+        if cfg.data.path:
+            ensure_model(cfg)
+        prepare(cfg)
+    ensure_model(cfg)
+
+
 def main(argv: list[str] | None = None, fleet=None) -> int:
     """Run one command; its exit status. ``fleet``: an :class:`orchestrator.rl.fleet.Fleet` of this process that
     the command runs on, kept up afterwards (a process that runs several commands in turn, as a pipeline does)."""
@@ -358,11 +371,7 @@ def main(argv: list[str] | None = None, fleet=None) -> int:
         if args.command == "config":
             return _config(args, overrides)
         cfg = load_run_config(args.config, overrides, args.stage)
-        if args.command == "train":
-            from orchestrator.loops import prepare
-
-            prepare(cfg)  # every input checked before the embedded model is built, Ray starts or a file is written
-        ensure_model(cfg)
+        check_and_build(args.command, cfg)
         from rewards.reward_model import ensure_reward_model
 
         ensure_reward_model(cfg.reward.model.path, cfg.model.path)
