@@ -37,6 +37,22 @@ def _close_the_verification_pool():
         bounded._shared = None
 
 
+@pytest.fixture(autouse=True)
+def _refused_before_the_model_is_built(monkeypatch):
+    """Every refusal here comes before the embedded model would be built (1.5 min on 2 cores on a clean clone);
+    other model directories are checked as a run checks them."""
+    from orchestrator.config import EMBEDDED_MODELS
+    from orchestrator.rl.launch import ensure_model
+
+    def build(cfg):
+        if cfg.model.path in EMBEDDED_MODELS:
+            raise AssertionError(f"{cfg.model.path} would be built before the refusal")
+        ensure_model(cfg)
+
+    monkeypatch.setattr("orchestrator.ops.cli.ensure_model", build)
+    monkeypatch.setattr("orchestrator.rl.driver.ensure_model", build)
+
+
 def _run(capsys, *argv: str) -> tuple[int, str]:
     code = main(list(argv))
     return code, capsys.readouterr().err.strip()
@@ -64,11 +80,6 @@ def _run(capsys, *argv: str) -> tuple[int, str]:
 ])
 def test_bad_input_gets_one_line_and_exit_2(capsys, monkeypatch, tmp_path, argv, words):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-
-    def build(cfg):  # refused before the embedded model is built (1.5 min on 2 cores on a clean clone)
-        raise AssertionError(f"the model of {argv} would be built before the refusal")
-
-    monkeypatch.setattr("orchestrator.ops.cli.ensure_model", build)
     code, err = _run(capsys, *argv, *([f"run.dir={tmp_path}/run"] if argv[0] == "train" else []))
     assert code == 2, err
     assert "Traceback" not in err and len(err.splitlines()) <= 2, err
@@ -147,10 +158,11 @@ def test_a_broken_checkpoint_is_named_before_the_run_dir_is_touched(capsys, tmp_
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoints"]  # no config.yaml, no logs/
 
 
-def test_a_dataset_line_that_is_not_utf8_is_named(capsys, tmp_path):
+def test_a_dataset_line_that_is_not_utf8_is_named(capsys, tmp_path, smollm2_tokenizer_dir):
     data = tmp_path / "d.jsonl"
     data.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\xff", "answer": "3"}\n')
-    code, err = _run(capsys, "train", f"data.path={data}", "data.prompt_field=prompt", f"run.dir={tmp_path}/run")
+    code, err = _run(capsys, "train", f"data.path={data}", "data.prompt_field=prompt", f"run.dir={tmp_path}/run",
+                     f"model.path={smollm2_tokenizer_dir}")  # a dataset needs a tokenizer; the embedded model is built
     assert code == 2 and f"{data}:2: not UTF-8" in err and "Traceback" not in err, err
 
 

@@ -340,16 +340,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def check_and_build(command: str, cfg: FleetConfig) -> None:
-    """`train`: every input checked (:func:`orchestrator.loops.prepare`) before the embedded model is built, Ray
-    starts or a file is written (with ``data.path`` the model comes first: a dataset's prompts are measured in its
-    tokens); then the model, built when it is the embedded one and missing."""
-    if command == "train":
-        from orchestrator.loops import prepare
+    """`train`: every input checked (:func:`orchestrator.loops.prepare`) before Ray starts or a file is written;
+    the run builds the embedded model after its last check (:func:`orchestrator.rl.driver.run_training`). Other
+    commands: the model, built when it is the embedded one and missing."""
+    if command != "train":
+        ensure_model(cfg)
+        return
+    from orchestrator.loops import prepare
 
-        if cfg.data.path:
-            ensure_model(cfg)
-        prepare(cfg)
-    ensure_model(cfg)
+    if cfg.data.path:  # a dataset's prompts are measured in the model's tokens: the tokenizer first
+        ensure_model(cfg)
+    prepare(cfg)
 
 
 def main(argv: list[str] | None = None, fleet=None) -> int:

@@ -26,7 +26,7 @@ from orchestrator.ops.run_status import RunStatus
 from orchestrator.rl import checkpoint as ckpt
 from orchestrator.rl.episode_metrics import eval_episode_metrics
 from orchestrator.rl.fleet import Fleet, Roles, check_resources, check_this_machine
-from orchestrator.rl.launch import init_ray, load_tokenizer, make_task
+from orchestrator.rl.launch import ensure_model, init_ray, load_tokenizer, make_task
 from orchestrator.rl.pools import LearnerDied, Update, gather_update
 from rewards.functions import verdicts, verify_timeouts
 from workers.prompts import pad_token_id
@@ -396,11 +396,14 @@ def run_training(cfg: FleetConfig, resume: str | None = None, loop: type[Loop] |
     from orchestrator.loops import loop_for
 
     loop = loop or loop_for(cfg)
+    if cfg.data.path:  # a dataset's prompts are measured in the model's tokens: the tokenizer first
+        ensure_model(cfg)
     cfg = loop.prepare(cfg)
     if resume:
         ckpt.resolve(resume, Path(cfg.run.dir))  # a broken checkpoint is named before anything is written
     if fleet is None and not (cfg.run.ray_address or os.environ.get("RAY_ADDRESS")):
         check_this_machine(cfg, loop.roles(cfg))  # a private instance: cores and memory, before Ray starts
+    ensure_model(cfg)  # the embedded model, built when missing: after every check (1.5 min on 2 cores)
     console = Console(verbose=cfg.run.verbose)
     console.setup_logging(Path(cfg.run.dir))
     # the loop (its imports, task and tokenizer) before Ray: a Ray job's driver loses its working directory once it
