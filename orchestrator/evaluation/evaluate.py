@@ -85,14 +85,19 @@ def resolve_model_dir(checkpoint: str) -> Path:
                       "policy/); give a run's final/ directory, a checkpoint directory or an HF model directory")
 
 
-def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "reward",
-             out: str | None = None, fleet=None) -> dict:
-    """Generate ``max(ns)`` samples per held-out prompt with the checkpoint, score, summarize; writes the
-    report as JSON (``out``, default ``<run.dir>/eval.json``) and returns it. ``fleet``: run on it (kept up)."""
+def check_selector(cfg: FleetConfig, select: str) -> None:
+    """``--select``: a known selector, and ``reward_model`` only with ``reward.model.path``."""
     if select not in SELECTORS:
         raise ConfigError(f"--select {select!r}: choose one of {list(SELECTORS)}")
     if select == "reward_model" and not cfg.reward.model.path:
         raise ConfigError("--select reward_model needs a reward model: set reward.model.path")
+
+
+def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "reward",
+             out: str | None = None, fleet=None) -> dict:
+    """Generate ``max(ns)`` samples per held-out prompt with the checkpoint, score, summarize; writes the
+    report as JSON (``out``, default ``<run.dir>/eval.json``) and returns it. ``fleet``: run on it (kept up)."""
+    check_selector(cfg, select)
     cfg = cfg.model_copy(deep=True)
     cfg.model.path = str(resolve_model_dir(checkpoint))
     from orchestrator.rl.fleet import Fleet, Roles

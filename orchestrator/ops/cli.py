@@ -339,10 +339,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def check_and_build(command: str, cfg: FleetConfig) -> None:
+def check_and_build(args, cfg: FleetConfig) -> None:
     """`train`: every input checked (:func:`orchestrator.loops.prepare`) before Ray starts or a file is written;
     the run builds the embedded model after its last check (:func:`orchestrator.rl.driver.run_training`). Other
-    commands: the model, built when it is the embedded one and missing."""
+    commands: the model, built when it is the embedded one and missing (`eval`: after its selector is checked)."""
+    command = args.command
+    if command == "eval":
+        from orchestrator.evaluation.evaluate import check_selector
+
+        check_selector(cfg, args.select)
     if command != "train":
         ensure_model(cfg)
         return
@@ -372,7 +377,7 @@ def main(argv: list[str] | None = None, fleet=None) -> int:
         if args.command == "config":
             return _config(args, overrides)
         cfg = load_run_config(args.config, overrides, args.stage)
-        check_and_build(args.command, cfg)
+        check_and_build(args, cfg)
         from rewards.reward_model import ensure_reward_model
 
         ensure_reward_model(cfg.reward.model.path, cfg.model.path)
