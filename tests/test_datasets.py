@@ -84,6 +84,22 @@ def test_cli_bad_dataset_exits_2_before_ray(tmp_path):
     r = cli("train", f"data.path={f}", f"run.dir={tmp_path}/run")
     assert r.returncode == 2 and "d.jsonl:2: missing field" in r.stderr
     assert "Started a local Ray instance" not in r.stderr
+    assert "embedded model missing: building" not in r.stdout  # the rows are measured with its tokenizer alone
+
+
+@pytest.mark.parametrize("kind", ["arith", "think", "calc", "chain"])
+def test_an_embedded_models_tokenizer_is_known_before_its_weights(tmp_path, kind):
+    """`load_tokenizer` answers for an embedded model that is not built yet (a dataset is checked in its tokens
+    before the build) with the tokenizer the built directory loads: same class, ids, vocabulary and padding."""
+    from transformers import AutoTokenizer
+
+    from orchestrator.models.embedded_model import init_model, saved_tokenizer_of
+
+    init_model(tmp_path / "m", kind=kind, target_accuracy=None, max_steps=0, log=lambda *a: None)
+    built, early = AutoTokenizer.from_pretrained(tmp_path / "m"), saved_tokenizer_of(kind)
+    texts = ["12+34=", "What is 3 + 4?", "<think>1+2</think>3", "[3*4]{12};"]
+    assert type(early) is type(built) and early.get_vocab() == built.get_vocab()
+    assert early(texts, padding=True)["input_ids"] == built(texts, padding=True)["input_ids"]
 
 
 # --- Parquet: the same mapping, GSM8K handling and row checks as JSONL ---------------------------------------

@@ -35,9 +35,30 @@ def build_tokenizer(chars: list[str] = CHARS, words: list[str] = ()):
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.add_tokens([AddedToken(w, normalized=False) for w in words])
     tok.decoder = decoders.Fuse()
+    tok.enable_padding(direction="left", pad_id=vocab["<pad>"], pad_token="<pad>")  # as saved after a padded call
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
     fast.padding_side = "left"
     return fast
+
+
+def tokenizer_of(kind: str):
+    """The tokenizer an embedded model of ``kind`` is built with (and saves): known before its weights are."""
+    return build_tokenizer(KINDS[kind]()[0], THINK_WORDS if kind == "think" else ())
+
+
+def saved_tokenizer_of(kind: str):
+    """The tokenizer a run loads from an embedded model of ``kind`` once it is built, without building it: saved
+    beside a Qwen2 config.json, as the model directory holds it, and loaded back (transformers chooses the class
+    from config.json)."""
+    import tempfile
+
+    from transformers import AutoTokenizer, Qwen2Config
+
+    tokenizer = tokenizer_of(kind)
+    with tempfile.TemporaryDirectory() as d:
+        tokenizer.save_pretrained(d)
+        Qwen2Config(vocab_size=len(tokenizer)).save_pretrained(d)
+        return AutoTokenizer.from_pretrained(d)
 
 
 def build_model(vocab_size: int, seed: int):
@@ -118,7 +139,7 @@ def init_model(out_dir: str | Path, seed: int = 0, target_accuracy: float | None
     targets = [getattr(task_of(kind), "solution", lambda m: m["answer"])(p.metadata) for p in evals]
     torch.set_num_threads(2)
     out_dir = Path(out_dir)
-    tokenizer = build_tokenizer(chars, THINK_WORDS if kind == "think" else ())
+    tokenizer = tokenizer_of(kind)
     model = build_model(len(tokenizer), seed)
     ev_prompts, ev_answers = [p.text for p in evals], targets
     new_tokens = max(len(t) for t in targets) + 1

@@ -353,8 +353,6 @@ def check_and_build(args, cfg: FleetConfig) -> None:
         return
     from orchestrator.loops import prepare
 
-    if cfg.data.path:  # a dataset's prompts are measured in the model's tokens: the tokenizer first
-        ensure_model(cfg)
     prepare(cfg)
 
 
