@@ -61,6 +61,7 @@ def test_resume_is_exact(tmp_path, mode):
         r = subprocess.run([sys.executable, "-m", "orchestrator", "export", str(tmp_path / "full"), "--out",
                             str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
+    if mode.startswith("grpo"):  # the LoRA export's merged model is checked against PEFT and vLLM's adapter below
         _vllm_matches_transformers(out)
     if "lora" in mode:
         assert all(r["weight_sync/logprob_max_diff"] < 1e-3 for r in full if "weight_sync/logprob_max_diff" in r)
