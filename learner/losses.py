@@ -108,15 +108,18 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     clipped = (pg2 > pg1).to(logp.dtype)
     if dual_clip is not None:
         pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * dual_clip), pg)
-    if rollout_logp is not None and tis_cap is not None:
-        pg = pg * (old_logp - rollout_logp).clamp(max=20.0).exp().clamp(max=tis_cap).detach()
-    loss = aggregate(pg, mask, aggregation, scale)
     tok = LossScale(scale.num_seqs, scale.num_tokens, scale.max_len)
-    metrics = {
+    metrics = {}
+    if rollout_logp is not None and tis_cap is not None:
+        r = (old_logp - rollout_logp).clamp(max=20.0).exp().detach()
+        pg = pg * r.clamp(max=tis_cap)
+        metrics["actor/tis_capped_frac"] = aggregate((r > tis_cap).to(logp.dtype), mask, "token_mean", tok)
+    loss = aggregate(pg, mask, aggregation, scale)
+    metrics.update({
         "actor/pg_loss": loss.detach(),
         "actor/clip_frac": aggregate(clipped, mask, "token_mean", tok),
         "actor/ratio_mean": aggregate(ratio.detach(), mask, "token_mean", tok),
-    }
+    })
     if ref_logp is not None:
         kl = kl_estimate(logp, ref_logp, kl_kind)
         metrics["actor/kl"] = aggregate(kl.detach(), mask, "token_mean", tok)

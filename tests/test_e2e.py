@@ -3,6 +3,7 @@
 the metrics file is complete, and that the final policy loads in transformers with the learner's logprobs."""
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -161,7 +162,7 @@ def even_prompts_only(prompt, completion, metadata):
     ("rloo", ["rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=3",  # and bf16 engines + autocast
               "rollout.dtype=bfloat16", "learner.mixed_precision=bfloat16", "run.dump_rollouts=true",
               "reward.functions=[{name: 'tests.test_e2e:even_prompts_only'}]"]),
-    ("ppo", ["algorithm.kl_reward_coef=0.05"]),
+    ("ppo", ["algorithm.kl_reward_coef=0.05", "algorithm.rejection=geometric"]),  # the critic trains on every token
     ("gdpo", ["reward.functions=[{name: math}, {name: length, params: {max_len: 5, cache: 3}}]",
               "algorithm.conditions=[{reward: length, if_reward: math, threshold: 1.0}]",
               "rollout.weight_sync=collective", "learner.log_kl=true"]),  # pushes over a gloo group into the engine
@@ -195,6 +196,8 @@ def test_algorithm_families_end_to_end(tmp_path, algorithm, extra):
             assert informative == sorted(informative, reverse=True)  # set-aside groups only top the batch up
     if algorithm == "ppo":
         assert "critic/value_loss" in rows[0] and rows[0]["critic/value_loss"] > 0
+        # fp32 engines sampling with the learner's own weights: the sequence rejection keeps everything
+        assert rows[0]["off_policy/rejected_seq_frac"] == 0 and rows[0]["off_policy/mismatch_kl"] < 1e-6
     if algorithm == "gdpo":
         assert "reward/math" in rows[0] and "reward/length" in rows[0]
         assert rows[1]["kl"] > 0  # the update moved the policy
@@ -204,10 +207,12 @@ def test_algorithm_families_end_to_end(tmp_path, algorithm, extra):
 def test_one_step_off_generates_next_batch_during_update(tmp_path):
     """rollout.mode=one_step_off: batch k+1 is generated (with version k) while the learner trains on batch k;
     samples are exactly one version stale after the first step and the engines still get every push. The run is
-    also the algorithm-family case of GRPO with process (per-step) advantages."""
+    also the algorithm-family case of GRPO with process (per-step) advantages, and the off-policy rejection's: a
+    token whose pi_old / pi_rollout lies outside [0.99, 1.01] leaves the update (learner.corrections)."""
     rows = run_fleetrl(tmp_path / "run", "rollout.mode=one_step_off", "algorithm.name=grpo_process",
                        "algorithm.step_separator=''", "trainer.total_steps=3", "trainer.eval_every=0",
-                       "rollout.num_workers=1", "learner.num_ranks=1", "learner.zero_stage=0", "learner.lr=1e-3")
+                       "rollout.num_workers=1", "learner.num_ranks=1", "learner.zero_stage=0", "learner.lr=1e-3",
+                       "algorithm.rejection=token", "algorithm.rejection_band=[0.99, 1.01]")
     train = [r for r in rows if "reward/mean" in r]
     assert all(abs(r["loss"]) < 1e6 for r in train)
     assert [r["rollout/staleness_max"] for r in train] == [0, 1, 1]
@@ -218,6 +223,12 @@ def test_one_step_off_generates_next_batch_during_update(tmp_path):
     for r in train[1:]:  # stale samples: generated during the previous update, which moved the policy
         assert r["time/generate_overlapped_s"] > 0 and r["rollout/logprob_gap_max"] > 1e-3
     assert [r["rollout/queue_depth"] for r in train] == [16, 16, 0]
-    # no separate logprob pass: the update's first pass gives the old (proximal) logprobs, the TIS weighs the gap
+    # the rejection's logprob pass gives the old (proximal) logprobs: the update starts from them (ratio 1); the
+    # same-version batch loses nothing, each stale batch a part, and the update's own first pass saw only the kept
+    # tokens (its largest gap inside the band) while the batch's gap is wider
     assert all(r["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6) for r in train)
+    assert train[0]["off_policy/rejected_token_frac"] == 0 and train[0]["off_policy/mismatch_kl"] < 1e-6
+    for r in train[1:]:
+        assert 0 < r["off_policy/rejected_token_frac"] < 1 and r["off_policy/mismatch_kl"] > 0
+        assert r["actor/rollout_logprob_gap_max"] <= -math.log(0.99) + 1e-6 < r["rollout/logprob_gap_max"]
     assert all(0 <= r["time/overhead_s"] < r["time/step_s"] for r in train)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from orchestrator.config.section import Section
 
@@ -36,6 +36,20 @@ class LossConfig(Section):
     mask_truncated: bool = False
     """DAPO's overlong filtering: completions cut at `rollout.max_new_tokens` (finish reason `length`) get no
     loss (their rewards still count in their group's baseline)."""
+    rejection: Literal["none", "token", "geometric"] = "none"
+    """Off-policy rejection (`learner.corrections`), with r = pi_old / pi_rollout per token: `token` drops the
+    tokens whose r is outside `rejection_band` (masked IS; with `tis_cap` = the band's top, IcePop), `geometric`
+    drops the sequences whose geometric-mean r is outside it (sequence masking). Dropped tokens leave the loss's
+    denominator too. Needs the learner's logprobs before the update: a rejection adds that pass."""
+    rejection_band: tuple[float, float] = (0.5, 2.0)
+    """[low, high] around 1 that `rejection` keeps."""
+
+    @field_validator("rejection_band")
+    @classmethod
+    def _band_around_one(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not 0.0 <= v[0] < 1.0 < v[1]:
+            raise ValueError(f"rejection_band must be [low, high] with 0 <= low < 1 < high, got {list(v)}")
+        return v
 
     uses_critic: ClassVar[bool] = False
     uses_step_rewards: ClassVar[bool] = False
@@ -159,6 +173,7 @@ class ObjectiveConfig(Section):
     uses_step_rewards: ClassVar[bool] = False
     mask_truncated: ClassVar[bool] = False
     tis_cap: ClassVar[float | None] = None
+    rejection: ClassVar[str] = "none"
     sampling_temperature_logprobs: ClassVar[bool] = False
 
 

@@ -308,10 +308,11 @@ class Run:
 
     # ---- what every loop uses ---------------------------------------------------------------------------------
 
-    def learn(self, batch: TrainBatch) -> Update:
-        """Actor update, and the critic's beside it (both groups run concurrently)."""
+    def learn(self, batch: TrainBatch, critic_batch: TrainBatch | None = None) -> Update:
+        """Actor update, and the critic's beside it (both groups run concurrently) on ``critic_batch`` when the
+        actor's differs (tokens the off-policy rejection dropped from the policy loss still train the values)."""
         refs = self.fleet.learner.train_async(batch)
-        critic_refs = self.fleet.critic.train_async(batch) if self.fleet.critic else []
+        critic_refs = self.fleet.critic.train_async(critic_batch or batch) if self.fleet.critic else []
         actor = gather_update(refs)
         if not critic_refs:
             return actor
@@ -396,9 +397,7 @@ def run_training(cfg: FleetConfig, resume: str | None = None, loop: type[Loop] |
     from orchestrator.loops import loop_for
 
     loop = loop or loop_for(cfg)
-    if cfg.data.path:  # a dataset's prompts are measured in the model's tokens: the tokenizer first
-        ensure_model(cfg)
-    cfg = loop.prepare(cfg)
+    cfg = loop.prepare(cfg)  # a dataset for the embedded model is measured in its tokenizer's tokens, built or not
     if resume:
         ckpt.resolve(resume, Path(cfg.run.dir))  # a broken checkpoint is named before anything is written
     if fleet is None and not (cfg.run.ray_address or os.environ.get("RAY_ADDRESS")):

@@ -17,6 +17,7 @@ import torch
 
 from learner.algorithms import advantage_inputs, assemble_advantages
 from learner.batch import TrainBatch, build_batch
+from learner.corrections import reject
 from orchestrator.config import FleetConfig
 from orchestrator.evaluation.samples import restate_frac
 from orchestrator.ops.metrics import PhaseTimer
@@ -81,8 +82,9 @@ class PolicyLoop(Loop):
         with timer("advantages"):
             steps = self.step_rewards(scored) if self.cfg.uses_process_rewards else None
             batch.advantages, batch.returns = self.advantages(scored, batch, steps)
+        actor_batch, off_policy = self._reject(batch)
         with timer("learn"):
-            update = self.run.learn(batch)
+            update = self.run.learn(actor_batch, critic_batch=batch)
             train_metrics = update.metrics
         with timer("rollout_wait"):  # one_step_off: the engines finish the next batch before they reload
             queued = self._wait_prefetch()
@@ -90,7 +92,7 @@ class PolicyLoop(Loop):
         with timer("sync"):
             sync_metrics = self.run.push_weights()
         out = {**self._rollout_metrics(scored, batch, collected.reward_errors, train_metrics, staleness),
-               **learner_metrics(train_metrics), **sync_metrics, **collected.info,
+               **learner_metrics(train_metrics), **off_policy, **sync_metrics, **collected.info,
                **self._timing(timer, train_metrics, queued)}
         if steps is not None:
             present = steps[1] >= 0
@@ -220,6 +222,17 @@ class PolicyLoop(Loop):
                     out[f"faults/{role}_recovery_s"] = pool.recovery_s
         return out
 
+    def _reject(self, batch: TrainBatch) -> tuple[TrainBatch, dict]:
+        """The actor's batch: the tokens ``algorithm.rejection`` drops removed from its response mask (so from the
+        loss's global counts too), and the ``off_policy/*`` metrics; the batch itself without a rejection."""
+        a = self.cfg.algorithm
+        if a.rejection == "none":
+            return batch, {}
+        assert batch.old_logprobs is not None  # separate_logprob_pass: a rejection needs them before the update
+        mask, metrics = reject(a.rejection, batch.old_logprobs, batch.rollout_logprobs, batch.response_mask,
+                               *a.rejection_band)
+        return dataclasses.replace(batch, response_mask=mask), metrics
+
     def _to_batch(self, scored: list[ScoredSample]) -> TrainBatch:
         return samples_to_batch([x.sample for x in scored], self.run.pad_id, self.cfg.algorithm.mask_truncated)
 
@@ -228,10 +241,10 @@ class PolicyLoop(Loop):
         rewards = torch.tensor([s.reward for s in scored])
         correct = self.run.correct([x.sample for x in scored])
         mask = batch.response_mask.bool()
-        if "actor/rollout_logprob_gap_max" in train_metrics:  # measured in the update's first pass
-            diff = torch.tensor([train_metrics["actor/rollout_logprob_gap_max"]])
-        elif batch.old_logprobs is not None:
+        if batch.old_logprobs is not None:  # every sampled token (an off-policy rejection's dropped ones too)
             diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask]
+        elif "actor/rollout_logprob_gap_max" in train_metrics:  # measured in the update's first pass
+            diff = torch.tensor([train_metrics["actor/rollout_logprob_gap_max"]])
         else:
             diff = torch.zeros(0)
         lengths = torch.tensor([len(x.sample.completion_ids) for x in scored], dtype=torch.float32)
@@ -300,7 +313,8 @@ def samples_to_batch(samples: list, pad_id: int, mask_truncated: bool = False) -
 
 def separate_logprob_pass(cfg: FleetConfig) -> bool:
     """Whether old/reference logprobs need their own forward pass before the update (see learner.logprob_pass):
-    only when the batch is used more than once, or PPO needs them for its KL-shaped rewards before the update."""
+    only when the batch is used more than once, PPO needs them for its KL-shaped rewards before the update, or an
+    off-policy rejection (``algorithm.rejection``) compares them with the engines' before the update."""
     c = cfg
     used_once = c.learner.epochs == 1 and c.learner.num_minibatches == 1 and not c.algorithm.uses_critic
-    return c.learner.logprob_pass == "always" or not used_once
+    return c.learner.logprob_pass == "always" or not used_once or c.algorithm.rejection != "none"
