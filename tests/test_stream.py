@@ -1,0 +1,113 @@
+"""Partial rollouts on a real vLLM engine (workers/stream.py, issue 44): a weight push in the middle of generation
+loses and regenerates no token, the tokens before it keep their logprobs and version, the tokens after it are the
+new weights' (each checked against transformers on the exact prefix, fp32), and a resumed sample's budget is what
+remained of its own."""
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from functools import cache
+
+import pytest
+import torch
+
+from tests.conftest import subprocess_env
+from tests.test_e2e import ROOT
+
+BUDGET, STEPS_BEFORE_PUSH = 20, 6
+
+DRIVER = textwrap.dedent(f"""
+    import json, os, sys
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    from safetensors.torch import load_file
+    from vllm import LLM, SamplingParams
+    from workers.stream import Stream
+
+    if __name__ == "__main__":
+        base, other, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+        llm = LLM(model=base, dtype="float32", enforce_eager=True, max_model_len=64, kv_cache_memory_bytes=2**27,
+                  seed=0, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                  worker_extension_cls="workers.nccl_sync.NcclWeightSyncExtension")
+        stream = Stream(llm.llm_engine, lambda n, seed: SamplingParams(max_tokens=n, temperature=1.0, logprobs=0,
+                                                                       seed=seed, ignore_eos=True))
+        for i, ids in enumerate(prompts):
+            stream.submit(f"p{{i}}", ids, {BUDGET}, seed=i)
+        done = []
+        for _ in range({STEPS_BEFORE_PUSH}):
+            done += stream.step()
+        weights = load_file(os.path.join(other, "model.safetensors"))
+
+        def load():
+            llm.collective_rpc("fleetrl_reload_weights", args=(iter(weights.items()),))
+            llm.reset_prefix_cache()
+
+        info = stream.push(load, 1)
+        stream.submit("late", prompts[0], {BUDGET}, seed=99)  # sent after the push: the new weights' alone
+        while stream.in_flight:
+            done += stream.step()
+        print("RESULT", json.dumps({{"push": info, "samples": [vars(p) for p in done]}}))
+""")
+
+
+def _perturbed_copy(src, out):
+    """The embedded model with every weight moved by seeded noise: another policy, same shapes and tokenizer."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    g = torch.Generator().manual_seed(0)
+    weights = load_file(src / "model.safetensors")
+    save_file({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in weights.items()},
+              out / "model.safetensors")
+    return out
+
+
+@cache
+def _model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _logprobs(path, prompt_ids, token_ids) -> list[float]:
+    with torch.no_grad():
+        logits = _model(str(path))(torch.tensor([prompt_ids + token_ids])).logits[0].log_softmax(-1)
+    return [logits[len(prompt_ids) - 1 + i, t].item() for i, t in enumerate(token_ids)]
+
+
+@pytest.mark.e2e
+def test_a_push_mid_generation_keeps_every_token_and_the_new_weights_sample_the_rest(tmp_path, embedded_model):
+    from transformers import AutoTokenizer
+
+    other = _perturbed_copy(embedded_model, tmp_path / "other")
+    tok = AutoTokenizer.from_pretrained(embedded_model)
+    prompts = [tok(t)["input_ids"] for t in ("12+34=", "7+58=", "99+1=", "40+40=")]
+    r = subprocess.run([sys.executable, "-c", DRIVER, str(embedded_model), str(other), json.dumps(prompts)],
+                       cwd=ROOT, env=subprocess_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                       timeout=600)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, (r.stdout + r.stderr)[-4000:]
+    out = json.loads(lines[0][len("RESULT "):])
+    assert out["push"]["resubmitted"] == len(prompts) and out["push"]["version"] == 1
+    samples = {s["uid"]: s for s in out["samples"]}
+    assert sorted(samples) == sorted([f"p{i}" for i in range(len(prompts))] + ["late"])
+    moved = 0.0
+    for uid, s in samples.items():
+        # the whole budget, once: nothing lost at the push and nothing granted again
+        assert len(s["token_ids"]) == len(s["logprobs"]) == len(s["versions"]) == BUDGET
+        assert s["finish_reason"] == "length"
+        before = s["versions"].count(0)
+        assert s["versions"] == [0] * before + [1] * (BUDGET - before)
+        if uid == "late":
+            assert before == 0 and s["resubmits"] == 0
+        else:  # the prompt was prefilled and sampled from in the first step, then one token a step until the push
+            assert before == STEPS_BEFORE_PUSH and s["resubmits"] == 1
+        # each token's behaviour logprob is the model of its version's, on the exact prefix before it
+        old = _logprobs(embedded_model, s["prompt_ids"], s["token_ids"])
+        new = _logprobs(other, s["prompt_ids"], s["token_ids"])
+        for i, (lp, v) in enumerate(zip(s["logprobs"], s["versions"])):
+            assert abs(lp - (old if v == 0 else new)[i]) < 1e-4, (uid, i, v, lp, old[i], new[i])
+            if v == 1:
+                moved = max(moved, abs(lp - old[i]))
+    assert moved > 1e-2  # the two policies differ where it matters: a version mix-up would show

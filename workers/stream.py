@@ -1,0 +1,100 @@
+"""Partial rollouts (issue 44): generation that a weight push interrupts without losing or regenerating a token.
+
+A :class:`Stream` drives one vLLM ``LLMEngine`` (``llm.llm_engine``) a step at a time. Requests are added at any
+time (:meth:`Stream.submit`); every step's new tokens are recorded with their logprobs and the policy version that
+sampled them. A weight push (:meth:`Stream.push`) happens between two steps: the unfinished requests are aborted,
+the new weights loaded, and each request is resubmitted with what it generated so far appended to its prompt and
+what remains of its token budget. A sample that spans a push keeps its earlier tokens with their behaviour
+logprobs and versions; its later tokens are sampled by the new weights (AReaL and verl's fully asynchronous mode
+do the same: abort, then resubmit with the prefix, whose KV cache the engine recomputes with the new weights).
+
+The engine is not thread-safe: one thread calls ``submit``, ``step`` and ``push``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Partial:
+    """One sample as far as it got: its tokens, their behaviour logprobs and the version that sampled each."""
+
+    uid: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    seed: int | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    resubmits: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.token_ids)
+
+    @property
+    def request_id(self) -> str:
+        return f"{self.uid}#{self.resubmits}"  # an aborted request's id is never reused
+
+
+class Stream:
+    def __init__(self, engine, params_for: Callable, version: int = 0):
+        """``engine``: a vLLM ``LLMEngine``; ``params_for(max_new_tokens, seed)`` -> the request's
+        ``SamplingParams`` (with ``logprobs=0``); ``version``: the policy version of the engine's weights."""
+        self.engine, self.params_for, self.version = engine, params_for, version
+        self.live: dict[str, Partial] = {}  # request id -> the sample it continues
+
+    def submit(self, uid: str, prompt_ids: list[int], max_new_tokens: int, seed: int | None = None) -> None:
+        self._add(Partial(uid, list(prompt_ids), max_new_tokens, seed))
+
+    def _add(self, p: Partial) -> None:
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        seed = None if p.seed is None else (p.seed * 1_000_003 + p.resubmits) % (2**31 - 1)
+        params = self.params_for(p.remaining, seed)
+        params.output_kind = RequestOutputKind.DELTA  # each step's new tokens, stamped with the version now
+        self.live[p.request_id] = p
+        self.engine.add_request(p.request_id, TokensPrompt(prompt_token_ids=p.prompt_ids + p.token_ids), params)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.live)
+
+    def step(self) -> list[Partial]:
+        """One engine step: the new tokens recorded; the samples that finished in it."""
+        done = []
+        for out in self.engine.step():
+            p = self.live.get(out.request_id)
+            if p is None:
+                continue
+            comp = out.outputs[0]
+            new = list(comp.token_ids)
+            p.token_ids += new
+            p.logprobs += [lp[t].logprob for lp, t in zip(comp.logprobs or [], new)]
+            p.versions += [self.version] * len(new)
+            if out.finished:
+                p.finish_reason = comp.finish_reason or "length"
+                done.append(self.live.pop(out.request_id))
+        return done
+
+    def push(self, load: Callable[[], object], version: int) -> dict:
+        """Between two steps: abort the unfinished requests, ``load()`` the new weights, resubmit each request with
+        its tokens so far and the rest of its budget. The requests are resubmitted even when ``load`` raises (the
+        engine then still serves the old weights and version)."""
+        t0 = time.perf_counter()
+        paused = list(self.live.values())
+        self.engine.abort_request([p.request_id for p in paused])
+        self.live.clear()
+        try:
+            load()
+            self.version = version
+        finally:
+            for p in paused:
+                p.resubmits += 1
+                self._add(p)
+        return {"resubmitted": len(paused), "seconds": time.perf_counter() - t0, "version": self.version}
