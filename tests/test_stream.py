@@ -111,3 +111,75 @@ def test_a_push_mid_generation_keeps_every_token_and_the_new_weights_sample_the_
             if v == 1:
                 moved = max(moved, abs(lp - old[i]))
     assert moved > 1e-2  # the two policies differ where it matters: a version mix-up would show
+
+
+ACTOR_DRIVER = textwrap.dedent("""
+    import json, sys, time
+    import ray
+    from safetensors.torch import load_file
+    from workers.rollout import CPU_ENV, EngineSpec, RolloutWorker
+    from workers.weight_buckets import param_specs, plan_buckets, to_object
+
+    if __name__ == "__main__":
+        base, other, root = sys.argv[1], sys.argv[2], sys.argv[3]
+        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": dict(CPU_ENV, PYTHONPATH=root)})
+        actor = ray.remote(RolloutWorker).options(max_concurrency=1).remote(
+            EngineSpec(model_path=other, dtype="float32", max_model_len=64, kv_cache_gib=0.1, seed=0))
+        ray.get(actor.stream_start.remote(1.0, 1.0))
+        prompts = [(f"q{i}", f"{i}+{2 * i}=", {"i": i}) for i in range(16)]
+        submitted = ray.get(actor.stream_submit.remote(prompts, 4, 40, 0))
+        taken = []
+        while not taken:  # the first samples are done: the others are mid-generation
+            taken += ray.get(actor.stream_take.remote())
+        weights = load_file(f"{base}/model.safetensors")
+        specs = param_specs(weights.items())
+        refs = [ray.put(to_object(p, [weights[n] for n in p.names])) for p in plan_buckets(specs, 1 << 20)]
+        push = ray.get(actor.load_weights.remote(refs, 1))
+        submitted += ray.get(actor.stream_submit.remote([("late", "3+4=", {})], 2, 40, 1))
+        try:
+            ray.get(actor.generate.remote([("x", "1+1=", {})], 1, 4, 1.0, 1.0, 0))
+            refused = ""
+        except ray.exceptions.RayTaskError as e:
+            refused = str(e)
+        deadline = time.time() + 300
+        while len(taken) < submitted and time.time() < deadline:
+            taken += ray.get(actor.stream_take.remote())
+            time.sleep(0.05)
+        dropped = ray.get(actor.stream_stop.remote())
+        rows = [dict(uid=s.prompt_uid, j=s.sample_index, versions=s.token_versions, version=s.policy_version,
+                     n=len(s.completion_ids), lp=len(s.logprobs), meta=s.metadata, finish=s.finish_reason)
+                for s in taken]
+        print("RESULT", json.dumps({"push": push, "rows": rows, "submitted": submitted, "dropped": dropped,
+                                    "refused": refused[-300:]}))
+""")
+
+
+@pytest.mark.e2e
+def test_a_streaming_rollout_actor_takes_a_push_while_it_generates(tmp_path, embedded_model):
+    """The `rollout-i` actor's stream (stream_start/submit/take/stop): generation goes on between the driver's
+    calls, a weight push through the ordinary load_weights lands mid-generation (some samples span it, their
+    token versions 0...0 1...1), nothing is lost or returned twice, the samples sent after the push are the new
+    version's, and call-by-call generation is refused while the stream owns the engine."""
+    other = _perturbed_copy(embedded_model, tmp_path / "other")  # its completions run long: pushes meet them
+    r = subprocess.run([sys.executable, "-c", ACTOR_DRIVER, str(embedded_model), str(other), str(ROOT)], cwd=ROOT,
+                       env=subprocess_env(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0"), capture_output=True,
+                       text=True, timeout=600)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, (r.stdout + r.stderr)[-4000:]
+    out = json.loads(lines[0][len("RESULT "):])
+    rows = out["rows"]
+    assert out["submitted"] == 16 * 4 + 2 and out["dropped"] == 0 and out["push"]["version"] == 1
+    assert sorted((x["uid"], x["j"]) for x in rows) == sorted([(f"q{i}", j) for i in range(16) for j in range(4)]
+                                                              + [("late", 0), ("late", 1)])
+    spans = 0
+    for x in rows:
+        v = x["versions"]
+        assert len(v) == x["n"] == x["lp"] and 0 < x["n"] <= 40 and v == sorted(v) and set(v) <= {0, 1}
+        assert x["version"] == min(v)
+        spans += len(set(v)) == 2
+        if x["uid"] == "late":
+            assert set(v) == {1}
+        else:
+            assert x["meta"] == {"i": int(x["uid"][1:])}
+    assert spans > 0  # the push met samples mid-generation, and they went on
+    assert "generate() while streaming" in out["refused"]

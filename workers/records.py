@@ -39,6 +39,8 @@ class Sample:
     worker: str = ""  # name of the rollout actor that generated it
     loss_mask: list[int] | None = None  # [T_i] 1 on tokens the engine sampled; None: all of them (single turn)
     episode: EpisodeStats | None = None  # multi-turn episodes only; then completion_text is the last turn's text
+    token_versions: list[int] | None = None  # [T_i] the version that sampled each token (a stream's sample spans
+    # pushes: workers.stream); None: every token policy_version's. policy_version is then the oldest of them
 
 
 @dataclass

@@ -99,6 +99,8 @@ class RolloutWorker(LoggedActor):
         self.policy_version = 0
         self.generated_tokens = 0
         self.episodes = None  # EpisodeFactory of the env config last used (run_episodes)
+        self.service = None  # the generation stream (stream_start), None while generating call by call
+        self.streamed: dict[str, tuple] = {}  # a streamed request's uid -> (prompt uid, index, text, metadata)
 
     def _warm_up(self) -> None:
         """One 2-token request with logprobs: vLLM compiles its logprob gather on first use (about 2 s on 2 cores),
@@ -124,6 +126,8 @@ class RolloutWorker(LoggedActor):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if self.service is not None:  # the engine is not thread-safe: the stream's thread owns it
+            raise RuntimeError(f"{self.name}: generate() while streaming; stream_stop() first")
         requests, params, texts = [], [], []
         stops = (self.stop + list(stop or [])) or None
         for i, (uid, prompt, _) in enumerate(prompts):
@@ -210,6 +214,79 @@ class RolloutWorker(LoggedActor):
         self.generated_tokens += sum(sum(s.loss_mask) for s in samples)
         return samples
 
+    def stream_start(self, temperature: float, top_p: float) -> None:
+        """Generate on the engine's own thread from now on (:mod:`workers.stream`): samples submitted with
+        :meth:`stream_submit` come back from :meth:`stream_take` as they finish, and a weight push lands between
+        two engine steps, resubmitting the unfinished samples with their tokens so far (partial rollouts)."""
+        from vllm import SamplingParams
+
+        from workers.stream import Stream, StreamService
+
+        if self.service is not None:
+            return
+        stop = self.stop or None
+
+        def params_for(max_tokens: int, seed: int | None):
+            return SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
+                                  seed=seed, stop=stop, include_stop_str_in_output=True)
+
+        stream = Stream(self.llm.llm_engine, params_for, self.policy_version, self._lora_request)
+        self.service = StreamService(stream, self._streamed_sample)
+
+    def stream_submit(self, prompts: list[tuple[str, str | list[dict], dict]], group_size: int, max_new_tokens: int,
+                      seed: int | None) -> int:
+        """Queue ``group_size`` samples of each (uid, prompt, metadata), seeded as :meth:`generate` seeds them."""
+        items = []
+        for uid, prompt, meta in prompts:
+            text, ids = self.renderer.render(prompt)
+            for j in range(group_size):
+                self.streamed[f"{uid}/{j}"] = (uid, j, text, meta)
+                items.append((f"{uid}/{j}", ids, max_new_tokens, None if seed is None else _sample_seed(seed, uid, j)))
+        stream = self.service.stream
+        self.service.call(lambda: [stream.submit(*item) for item in items], "stream_submit")
+        return len(items)
+
+    def stream_take(self) -> list[Sample]:
+        """The streamed samples finished since the last call."""
+        return self.service.take()
+
+    def stream_stop(self) -> int:
+        """Back to call-by-call generation; the unfinished samples are dropped (their number is returned)."""
+        if self.service is None:
+            return 0
+        stream = self.service.stream
+        dropped = self.service.call(lambda: (stream.engine.abort_request(list(stream.live)), len(stream.live))[1],
+                                    "stream_stop")
+        stream.live.clear()
+        self.service.close()
+        self.service, self.streamed = None, {}
+        return dropped
+
+    def _streamed_sample(self, p) -> Sample:
+        uid, j, text, meta = self.streamed.pop(p.uid)
+        self.generated_tokens += len(p.token_ids)
+        return Sample(
+            prompt_uid=uid, sample_index=j, prompt_text=text, prompt_ids=p.prompt_ids, completion_ids=p.token_ids,
+            logprobs=p.logprobs, completion_text=self.tokenizer.decode(p.token_ids, skip_special_tokens=True),
+            finish_reason=p.finish_reason, policy_version=min(p.versions, default=self.policy_version),
+            metadata=meta, worker=self.name, token_versions=p.versions)
+
+    def _reload(self, load, version: int) -> int:
+        """``load()`` (the tensors it loaded) and a reset prefix cache, at ``version``: at once, or while streaming
+        between two engine steps with the unfinished samples resubmitted."""
+        def apply():
+            n = load()
+            self.llm.reset_prefix_cache()
+            return n
+
+        if self.service is None:
+            loaded = apply()
+        else:
+            stream = self.service.stream
+            loaded = self.service.call(lambda: stream.push(apply, version)["loaded"], f"weight push v{version}")
+        self.policy_version = version
+        return loaded
+
     def load_weights(self, bucket_refs: list, version: int) -> dict:
         """Reload the engine in place from packed buckets (ObjectRefs of :class:`Bucket`), fetched one at a time."""
         import ray
@@ -222,13 +299,12 @@ class RolloutWorker(LoggedActor):
             for ref in bucket_refs:
                 yield from from_object(ray.get(ref))
 
-        if self.adapter is not None:
-            loaded = [self.adapter.load(stream(), version)]
-        else:
-            loaded = self.llm.collective_rpc("fleetrl_reload_weights", args=(stream(),))
-        self.llm.reset_prefix_cache()
-        self.policy_version = version
-        return {"tensors": loaded[0], "seconds": time.perf_counter() - t0, "version": version}
+        def load() -> int:
+            if self.adapter is not None:
+                return self.adapter.load(stream(), version)
+            return self.llm.collective_rpc("fleetrl_reload_weights", args=(stream(),))[0]
+
+        return {"tensors": self._reload(load, version), "seconds": time.perf_counter() - t0, "version": version}
 
     def load_model_weights(self, path: str) -> dict:
         """Reload the engine in place from the model directory ``path`` (its ``*.safetensors`` files, read one
@@ -244,10 +320,8 @@ class RolloutWorker(LoggedActor):
                     for name in weights.keys():  # noqa: SIM118 - safe_open is not a mapping
                         yield name, weights.get_tensor(name)
 
-        loaded = self.llm.collective_rpc("fleetrl_reload_weights", args=(stream(),))
-        self.llm.reset_prefix_cache()
-        self.policy_version = 0
-        return {"tensors": loaded[0], "seconds": time.perf_counter() - t0, "version": 0}
+        loaded = self._reload(lambda: self.llm.collective_rpc("fleetrl_reload_weights", args=(stream(),))[0], 0)
+        return {"tensors": loaded, "seconds": time.perf_counter() - t0, "version": 0}
 
     def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> list[int]:
         """Every worker of this engine joins the learner's weight group (see :mod:`workers.nccl_sync`)."""
@@ -257,14 +331,14 @@ class RolloutWorker(LoggedActor):
     def receive_weights(self, plans: list, version: int) -> dict:
         """Receive one collective push (learner rank 0 broadcasts) and reload the engine in place."""
         t0 = time.perf_counter()
-        if self.adapter is not None:
-            loaded = [self.adapter.load(self.llm.collective_rpc("fleetrl_receive_tensors", args=(plans,))[0],
-                                        version)]
-        else:
-            loaded = self.llm.collective_rpc("fleetrl_receive_weights", args=(plans,))
-        self.llm.reset_prefix_cache()
-        self.policy_version = version
-        return {"tensors": loaded[0], "seconds": time.perf_counter() - t0, "version": version}
+
+        def load() -> int:
+            if self.adapter is not None:
+                return self.adapter.load(self.llm.collective_rpc("fleetrl_receive_tensors", args=(plans,))[0],
+                                         version)
+            return self.llm.collective_rpc("fleetrl_receive_weights", args=(plans,))[0]
+
+        return {"tensors": self._reload(load, version), "seconds": time.perf_counter() - t0, "version": version}
 
     def _lora_request(self):
         """The served adapter's ``LoRARequest`` (None: the engine's own weights are the policy)."""

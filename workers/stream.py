@@ -42,10 +42,11 @@ class Partial:
 
 
 class Stream:
-    def __init__(self, engine, params_for: Callable, version: int = 0):
+    def __init__(self, engine, params_for: Callable, version: int = 0, lora: Callable[[], object] | None = None):
         """``engine``: a vLLM ``LLMEngine``; ``params_for(max_new_tokens, seed)`` -> the request's
-        ``SamplingParams`` (with ``logprobs=0``); ``version``: the policy version of the engine's weights."""
-        self.engine, self.params_for, self.version = engine, params_for, version
+        ``SamplingParams`` (with ``logprobs=0``); ``version``: the policy version of the engine's weights;
+        ``lora()``: the served adapter's ``LoRARequest`` at the time a request is (re)submitted."""
+        self.engine, self.params_for, self.version, self.lora = engine, params_for, version, lora
         self.live: dict[str, Partial] = {}  # request id -> the sample it continues
 
     def submit(self, uid: str, prompt_ids: list[int], max_new_tokens: int, seed: int | None = None) -> None:
@@ -59,7 +60,8 @@ class Stream:
         params = self.params_for(p.remaining, seed)
         params.output_kind = RequestOutputKind.DELTA  # each step's new tokens, stamped with the version now
         self.live[p.request_id] = p
-        self.engine.add_request(p.request_id, TokensPrompt(prompt_token_ids=p.prompt_ids + p.token_ids), params)
+        self.engine.add_request(p.request_id, TokensPrompt(prompt_token_ids=p.prompt_ids + p.token_ids), params,
+                                lora_request=self.lora() if self.lora else None)
 
     @property
     def in_flight(self) -> int:
@@ -85,16 +87,89 @@ class Stream:
     def push(self, load: Callable[[], object], version: int) -> dict:
         """Between two steps: abort the unfinished requests, ``load()`` the new weights, resubmit each request with
         its tokens so far and the rest of its budget. The requests are resubmitted even when ``load`` raises (the
-        engine then still serves the old weights and version)."""
+        engine then still serves the old weights and version). ``loaded``: what ``load`` returned."""
         t0 = time.perf_counter()
         paused = list(self.live.values())
         self.engine.abort_request([p.request_id for p in paused])
         self.live.clear()
         try:
-            load()
+            loaded = load()
             self.version = version
         finally:
             for p in paused:
                 p.resubmits += 1
                 self._add(p)
-        return {"resubmitted": len(paused), "seconds": time.perf_counter() - t0, "version": self.version}
+        return {"resubmitted": len(paused), "seconds": time.perf_counter() - t0, "version": self.version,
+                "loaded": loaded}
+
+
+class StreamService:
+    """A :class:`Stream` stepped on a thread of its own, so the engine generates between (and during) the actor's
+    method calls. Calls reach the engine through a queue and run on that thread between two steps (the engine is
+    not thread-safe); :meth:`call` waits for one with a timeout, so a push that cannot get through ends with an
+    error naming it instead of a hang. ``on_done(partial)`` turns a finished sample into what :meth:`take` returns."""
+
+    def __init__(self, stream: Stream, on_done: Callable[[Partial], object]):
+        import queue
+        import threading
+
+        self.stream, self.on_done = stream, on_done
+        self.commands: queue.Queue = queue.Queue()
+        self.lock = threading.Lock()
+        self.finished: list = []
+        self.error: BaseException | None = None
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name="fleetrl-stream", daemon=True)
+        self.thread.start()
+
+    def call(self, fn: Callable[[], object], what: str, timeout: float = 300.0):
+        """``fn()`` on the engine's thread between two steps; its result (or its exception)."""
+        from concurrent.futures import Future
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        if self.error is not None:
+            raise RuntimeError(f"the generation stream stopped: {self.error!r}")
+        future: Future = Future()
+        self.commands.put((fn, future))
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"{what}: the generation stream did not take it within {timeout:.0f} s") from None
+
+    def take(self) -> list:
+        """The samples finished since the last call."""
+        with self.lock:
+            out, self.finished = self.finished, []
+        if self.error is not None:
+            raise RuntimeError(f"the generation stream stopped: {self.error!r}")
+        return out
+
+    def close(self) -> None:
+        self.closed = True
+        self.commands.put(None)
+        self.thread.join(timeout=60)
+
+    def _run(self) -> None:
+        import queue
+
+        try:
+            while not self.closed:
+                try:  # idle: wait for a command; generating: only take what is already queued
+                    item = self.commands.get(block=not self.stream.in_flight, timeout=1.0)
+                except queue.Empty:
+                    item = False
+                if item is None:
+                    break
+                if item:
+                    fn, future = item
+                    try:
+                        future.set_result(fn())
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller
+                        future.set_exception(e)
+                    continue  # every queued command before the next step
+                if self.stream.in_flight:
+                    done = [self.on_done(p) for p in self.stream.step()]
+                    with self.lock:
+                        self.finished += done
+        except BaseException as e:  # noqa: BLE001 - reported by the next call or take
+            self.error = e
