@@ -238,6 +238,17 @@ def bradley_terry_loss(logp: Tensor, mask: Tensor, scale: LossScale,
                   "rm/margin": (z.detach() * real).sum() / pairs, "actor/loss": loss.detach()}
 
 
+BATCH_INPUTS = frozenset({"logp", "mask", "scale", "old_logp", "advantages", "ref_logp", "entropy", "rollout_logp",
+                          "targets"})
+"""What the learner can hand a loss from a micro-batch; a loss's other parameters are its settings."""
+
+
+def loss_inputs(name: str) -> frozenset[str]:
+    """The micro-batch inputs the registered loss ``name`` reads: the learner computes entropy, fills the old
+    logprobs from its first pass, or measures the engine gap only for a loss that reads them."""
+    return BATCH_INPUTS & frozenset(inspect.signature(LOSSES.get_or_raise(name)).parameters)
+
+
 def call_loss(name: str, inputs: dict, settings: dict) -> tuple[Tensor, dict]:
     """Run the registered loss ``name`` on the micro-batch ``inputs`` its signature names (``logp``, ``mask``,
     ``scale``, ``old_logp``, ``advantages``, ``ref_logp``, ``entropy``, ``rollout_logp``, ``targets``) and its

@@ -19,6 +19,7 @@ from common.actor_logs import LoggedActor, peak_rss_mb
 from common.imports import skip_unused_comm_op, skip_unused_imports
 from learner.batch import TrainBatch
 from learner.forward import HiddenStatesLM, critic_values, policy_logprobs
+from learner.losses import loss_inputs
 from learner.packing import Layout, filler, micro_batches
 
 
@@ -135,8 +136,9 @@ class LearnerWorker(LoggedActor):
         self.objective = spec.loss_kwargs.get("objective", "value" if role == "critic" else "policy")
         self.loss_kwargs = {k: v for k, v in spec.loss_kwargs.items() if k != "objective"}
         self.layout = spec.layout
-        self.with_entropy = self.objective == "policy" and (self.layout.entropy
-                                                            or bool(spec.loss_kwargs.get("entropy_coef")))
+        self.reads = loss_inputs(self.objective)  # what this group's loss reads from a micro-batch
+        self.with_entropy = "entropy" in self.reads and (self.layout.entropy
+                                                         or bool(spec.loss_kwargs.get("entropy_coef")))
         self.temperature = spec.temperature
         self.zero_stage = spec.ds_config["zero_optimization"]["stage"]
         self.model_path = spec.model_path
@@ -277,7 +279,7 @@ class LearnerWorker(LoggedActor):
             mb = replace(mb, ref_logprobs=self._ref_logprobs(mb))
         logp, entropy = self._forward(self.engine, mb, with_entropy=self.with_entropy)
         mb = mb.to(self.device)
-        if mb.old_logprobs is None and self.objective == "policy":  # used once: the current policy is the old one
+        if mb.old_logprobs is None and "old_logp" in self.reads:  # used once: the current policy is the old one
             if not first_pass:
                 raise ValueError("old_logprobs are needed after the first pass (more than one epoch or minibatch)")
             mb = replace(mb, old_logprobs=logp.detach())
@@ -285,7 +287,7 @@ class LearnerWorker(LoggedActor):
                   "scale": mb.scale, "ref_logp": mb.ref_logprobs, "entropy": entropy,
                   "rollout_logp": mb.rollout_logprobs, "targets": mb.targets}
         loss, metrics = call_loss(self.objective, inputs, self.loss_kwargs)
-        if first_pass and self.objective == "policy":
+        if first_pass and "rollout_logp" in self.reads:
             gap = ((logp.detach() - mb.rollout_logprobs).abs() * mb.response_mask).max()
             metrics["actor/rollout_logprob_gap_max"] = gap
         return loss, metrics

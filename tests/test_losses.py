@@ -166,3 +166,14 @@ def test_masked_positions_of_an_episode_get_exactly_zero_gradient(aggregation):
     for i, row in enumerate(masks):
         for t, m in enumerate(row):
             assert (grad[i, t].abs().sum() == 0) == (m == 0), (i, t)
+
+
+def test_the_learner_asks_each_loss_what_it_reads():
+    """The learner is algorithm-blind: entropy, the fused old logprobs and the engine gap are computed for a loss
+    whose signature reads them (the policy loss), never for SFT, DPO or the PRM's."""
+    from learner.losses import loss_inputs
+
+    assert {"entropy", "old_logp", "rollout_logp"} <= loss_inputs("policy")
+    for name in ("sft", "dpo", "prm", "bradley_terry"):
+        assert not {"entropy", "old_logp", "rollout_logp"} & loss_inputs(name)
+    assert "tis_cap" not in loss_inputs("policy")  # a setting, not an input
