@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> None:
     n, tokens, reps = (16, 32, 1) if args.quick else (64, 128, 3)
     llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=2**29,
               seed=0, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+              # as the rollout actors run it: whole prompts only (a seeded prefill split across steps crashes
+              # vLLM's CPU runner; resubmitted requests carry their tokens so far in the prompt)
+              enable_chunked_prefill=False, max_num_batched_tokens=4096,
               worker_extension_cls="workers.nccl_sync.NcclWeightSyncExtension")
     vocab = llm.llm_engine.model_config.get_vocab_size()
     prompts = [[3 + (i * 7 + j) % (vocab - 3) for j in range(24)] for i in range(n)]

@@ -29,6 +29,7 @@ DRIVER = textwrap.dedent(f"""
         base, other, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
         llm = LLM(model=base, dtype="float32", enforce_eager=True, max_model_len=64, kv_cache_memory_bytes=2**27,
                   seed=0, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                  enable_chunked_prefill=False, max_num_batched_tokens=4096,  # as the rollout actors run it
                   worker_extension_cls="workers.nccl_sync.NcclWeightSyncExtension")
         stream = Stream(llm.llm_engine, lambda n, seed: SamplingParams(max_tokens=n, temperature=1.0, logprobs=0,
                                                                        seed=seed, ignore_eos=True))
