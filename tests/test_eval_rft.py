@@ -99,7 +99,13 @@ def test_rft_config_trains_the_sft_objective():
         rft_config(load_config(), 0)
 
 
-def test_eval_refuses_bad_arguments_before_starting_anything(tmp_path):
+def test_eval_refuses_bad_arguments_before_starting_anything(tmp_path, monkeypatch):
+    """Refused before anything starts, and before the embedded default model would be built (1.5 min on a clean
+    clone): the model an eval needs is its checkpoint."""
+    def no_build(cfg):
+        raise AssertionError(f"{cfg.model.path} would be built before the refusal")
+
+    monkeypatch.setattr("orchestrator.ops.cli.ensure_model", no_build)
     proc = cli("eval", "--checkpoint", str(tmp_path), "--n", "1,4")
     assert proc.returncode == 2 and "--checkpoint" in proc.stderr and "config.json" in proc.stderr
     proc = cli("eval", "--checkpoint", ".fleetrl/models/arith-base", "--select", "reward_model")

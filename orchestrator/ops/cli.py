@@ -342,12 +342,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def check_and_build(args, cfg: FleetConfig) -> None:
     """`train`: every input checked (:func:`orchestrator.loops.prepare`) before Ray starts or a file is written;
     the run builds the embedded model after its last check (:func:`orchestrator.rl.driver.run_training`). Other
-    commands: the model, built when it is the embedded one and missing (`eval`: after its selector is checked)."""
+    commands: the model, built when it is the embedded one and missing (`eval`: the checkpoint it evaluates, after
+    its selector is checked; the default model is not built for a checkpoint that is not it)."""
     command = args.command
     if command == "eval":
-        from orchestrator.evaluation.evaluate import check_selector
+        from orchestrator.evaluation.evaluate import check_selector, resolve_model_dir
 
         check_selector(cfg, args.select)
+        if args.checkpoint and not args.search:  # the model evaluated is the checkpoint, not model.path
+            if args.checkpoint in EMBEDDED_MODELS:
+                ensure_model(cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": args.checkpoint})}))
+            resolve_model_dir(args.checkpoint)
+            return
     if command != "train":
         ensure_model(cfg)
         return
