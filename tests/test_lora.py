@@ -245,7 +245,7 @@ def test_zero3_trains_as_zero2(model_dir, process_group, tmp_path, lora, untied)
     from bench.learner_overhead import make_batch
     from tests.test_weight_sync import untied_copy
 
-    path = str(untied_copy(tmp_path)) if untied else model_dir
+    path = str(untied_copy(tmp_path, model_dir)) if untied else model_dir  # the unit tier builds no embedded model
     runs = {}
     for stage in (2, 3):
         w = _sgd_rank(path, stage, lora)

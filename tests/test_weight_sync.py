@@ -71,8 +71,9 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def untied_copy(tmp: Path) -> Path:
-    """The embedded model with its own output head (tie_word_embeddings=False, the head a perturbed copy)."""
+def untied_copy(tmp: Path, src: Path | str | None = None) -> Path:
+    """``src`` (default: the embedded model) with its own output head (tie_word_embeddings=False, the head a
+    perturbed copy)."""
     import shutil
 
     import torch
@@ -80,7 +81,7 @@ def untied_copy(tmp: Path) -> Path:
 
     from orchestrator.config import EMBEDDED_MODEL_PATH
 
-    src = ROOT / EMBEDDED_MODEL_PATH
+    src = Path(src) if src is not None else ROOT / EMBEDDED_MODEL_PATH
     config = AutoConfig.from_pretrained(src)
     config.tie_word_embeddings = False
     tied = AutoModelForCausalLM.from_pretrained(src)
