@@ -123,7 +123,6 @@ class RolloutWorker(LoggedActor):
         ``prefixes[i]``: token ids that continue prompt i's rendered ids (a partial solution being extended: step
         labels, step-level search); the sample's prompt is the prompt and its prefix, its completion what follows.
         ``stop``: more stop strings for this call (one step: the step separator)."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if self.service is not None:  # the engine is not thread-safe: the stream's thread owns it
@@ -138,11 +137,8 @@ class RolloutWorker(LoggedActor):
             texts.append(text)
             for j in range(group_size):
                 requests.append(TokensPrompt(prompt_token_ids=ids))
-                params.append(SamplingParams(
-                    n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
-                    seed=None if seed is None else _sample_seed(seed, uid, j), stop=stops,
-                    include_stop_str_in_output=True,
-                ))
+                params.append(_sampling(temperature, top_p, max_new_tokens,
+                                        None if seed is None else _sample_seed(seed, uid, j), stops))
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora_request())
         samples = []
         for k, out in enumerate(outputs):
@@ -189,8 +185,6 @@ class RolloutWorker(LoggedActor):
         here). Each episode's turns get seeds derived from ``seed``, its prompt and index."""
         import asyncio
 
-        from vllm import SamplingParams
-
         from workers.engine_loop import run_all
         from workers.episodes import EpisodeFactory
 
@@ -199,9 +193,7 @@ class RolloutWorker(LoggedActor):
         factory = self.episodes
 
         def params_for(max_tokens: int, turn_seed: int | None):
-            return SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
-                                  seed=turn_seed, stop=(factory.renderer.stop + self.stop) or None,
-                                  include_stop_str_in_output=True)
+            return _sampling(temperature, top_p, max_tokens, turn_seed, (factory.renderer.stop + self.stop) or None)
 
         def turn_seeds(uid: str, j: int):
             return lambda turn: None if seed is None else _sample_seed(seed + 7919 * turn, uid, j)
@@ -218,17 +210,13 @@ class RolloutWorker(LoggedActor):
         """Generate on the engine's own thread from now on (:mod:`workers.stream`): samples submitted with
         :meth:`stream_submit` come back from :meth:`stream_take` as they finish, and a weight push lands between
         two engine steps, resubmitting the unfinished samples with their tokens so far (partial rollouts)."""
-        from vllm import SamplingParams
 
         from workers.stream import Stream, StreamService
 
         if self.service is not None:
             return
-        stop = self.stop or None
-
         def params_for(max_tokens: int, seed: int | None):
-            return SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
-                                  seed=seed, stop=stop, include_stop_str_in_output=True)
+            return _sampling(temperature, top_p, max_tokens, seed, self.stop or None)
 
         stream = Stream(self.llm.llm_engine, params_for, self.policy_version, self._lora_request)
         self.service = StreamService(stream, self._streamed_sample)
@@ -254,10 +242,7 @@ class RolloutWorker(LoggedActor):
         """Back to call-by-call generation; the unfinished samples are dropped (their number is returned)."""
         if self.service is None:
             return 0
-        stream = self.service.stream
-        dropped = self.service.call(lambda: (stream.engine.abort_request(list(stream.live)), len(stream.live))[1],
-                                    "stream_stop")
-        stream.live.clear()
+        dropped = self.service.call(self.service.stream.abort_all, "stream_stop")
         self.service.close()
         self.service, self.streamed = None, {}
         return dropped
@@ -353,6 +338,14 @@ class RolloutWorker(LoggedActor):
 
         return {"policy_version": self.policy_version, "generated_tokens": self.generated_tokens, "pid": os.getpid(),
                 "threads": torch.get_num_threads()}
+
+
+def _sampling(temperature: float, top_p: float, max_tokens: int, seed: int | None, stop: list[str] | None):
+    """One sample's ``SamplingParams``: the sampled tokens' logprobs, stop strings kept in the text."""
+    from vllm import SamplingParams
+
+    return SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0, seed=seed,
+                          stop=stop, include_stop_str_in_output=True)
 
 
 def _sample_seed(seed: int, uid: str, j: int) -> int:

@@ -84,14 +84,20 @@ class Stream:
                 done.append(self.live.pop(out.request_id))
         return done
 
+    def abort_all(self) -> int:
+        """Drop every unfinished request; how many there were."""
+        self.engine.abort_request(list(self.live))
+        n = len(self.live)
+        self.live.clear()
+        return n
+
     def push(self, load: Callable[[], object], version: int) -> dict:
         """Between two steps: abort the unfinished requests, ``load()`` the new weights, resubmit each request with
         its tokens so far and the rest of its budget. The requests are resubmitted even when ``load`` raises (the
         engine then still serves the old weights and version). ``loaded``: what ``load`` returned."""
         t0 = time.perf_counter()
         paused = list(self.live.values())
-        self.engine.abort_request([p.request_id for p in paused])
-        self.live.clear()
+        self.abort_all()
         try:
             loaded = load()
             self.version = version
