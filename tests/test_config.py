@@ -139,3 +139,18 @@ def test_cli_bad_plugin_exits_2_in_one_line_before_any_actor(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "env.name" in r.stderr and "tests.test_envs:Turn" in r.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides, why", [
+    (["rollout.mode=async", "algorithm.tis_cap=null"], "rollout.max_staleness=1 .*algorithm.tis_cap"),
+    (["rollout.mode=async", "env.name=tool"], "multi-turn episodes"),
+    (["rollout.mode=async", "rollout.dynamic_sampling=true"], "rollout.dynamic_sampling"),
+    (["rollout.mode=async", "rollout.stale_policy=keep"], "rollout.stale_policy"),
+    (["rollout.mode=one_step_off", "rollout.max_staleness=0"], "max_staleness >= 1"),
+])
+def test_the_asynchronous_modes_refuse_what_they_cannot_train(overrides, why):
+    """What rollout.mode=async cannot do is refused at load, naming the key; with max_staleness 0 (sync's
+    samples) it needs no importance correction."""
+    with pytest.raises(ConfigError, match=why):
+        load_config(None, overrides)
+    assert load_config(None, ["rollout.mode=async", "rollout.max_staleness=0", "algorithm.tis_cap=null"])

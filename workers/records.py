@@ -62,3 +62,15 @@ class Collected:
     reward_errors: int = 0
     info: dict = field(default_factory=dict)
     first_error: str | None = None  # the first failed reward-function call, one line
+
+
+@dataclass
+class StreamTake:
+    """What a streaming rollout actor answers a poll with (:meth:`workers.rollout.RolloutWorker.stream_take`): the
+    samples finished since the last poll, the samples still generating, the seconds its engine has waited with
+    nothing to generate since the stream started, and the policy version it serves."""
+
+    samples: list[Sample]
+    in_flight: int
+    idle_s: float
+    version: int

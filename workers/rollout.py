@@ -16,7 +16,7 @@ from pathlib import Path
 from common.actor_logs import LoggedActor
 from common.imports import skip_unused_imports
 from workers.prompts import PromptRenderer
-from workers.records import Sample
+from workers.records import Sample, StreamTake
 
 CPU_ENV = {
     # one engine per actor, in-process (no engine-core subprocess inside a Ray worker)
@@ -122,11 +122,20 @@ class RolloutWorker(LoggedActor):
 
         ``prefixes[i]``: token ids that continue prompt i's rendered ids (a partial solution being extended: step
         labels, step-level search); the sample's prompt is the prompt and its prefix, its completion what follows.
-        ``stop``: more stop strings for this call (one step: the step separator)."""
+        ``stop``: more stop strings for this call (one step: the step separator).
+
+        While streaming (:meth:`stream_start`) the call runs on the stream's thread with the stream paused (its
+        unfinished samples resubmitted afterwards with their tokens so far): evals and the weight-sync probe of a
+        fully asynchronous run lose no streamed token."""
+        args = (prompts, group_size, max_new_tokens, temperature, top_p, seed, prefixes, stop)
+        if self.service is None:
+            return self._generate(*args)
+        stream = self.service.stream  # the engine is not thread-safe: the stream's thread owns it
+        return self.service.call(lambda: stream.paused(lambda: self._generate(*args)), f"{self.name}: generate")
+
+    def _generate(self, prompts, group_size, max_new_tokens, temperature, top_p, seed, prefixes, stop) -> list[Sample]:
         from vllm.inputs import TokensPrompt
 
-        if self.service is not None:  # the engine is not thread-safe: the stream's thread owns it
-            raise RuntimeError(f"{self.name}: generate() while streaming; stream_stop() first")
         requests, params, texts = [], [], []
         stops = (self.stop + list(stop or [])) or None
         for i, (uid, prompt, _) in enumerate(prompts):
@@ -222,10 +231,11 @@ class RolloutWorker(LoggedActor):
         self.service = StreamService(stream, self._streamed_sample)
 
     def stream_submit(self, prompts: list[tuple[str, str | list[dict], dict]], group_size: int, max_new_tokens: int,
-                      seed: int | None) -> int:
-        """Queue ``group_size`` samples of each (uid, prompt, metadata), seeded as :meth:`generate` seeds them."""
+                      seeds: list[int | None]) -> int:
+        """Queue ``group_size`` samples of each (uid, prompt, metadata), sample j of prompt i seeded as
+        :meth:`generate` seeds it with ``seeds[i]``."""
         items = []
-        for uid, prompt, meta in prompts:
+        for (uid, prompt, meta), seed in zip(prompts, seeds, strict=True):
             text, ids = self.renderer.render(prompt)
             for j in range(group_size):
                 self.streamed[f"{uid}/{j}"] = (uid, j, text, meta)
@@ -234,9 +244,10 @@ class RolloutWorker(LoggedActor):
         self.service.call(lambda: [stream.submit(*item) for item in items], "stream_submit")
         return len(items)
 
-    def stream_take(self) -> list[Sample]:
-        """The streamed samples finished since the last call."""
-        return self.service.take()
+    def stream_take(self) -> StreamTake:
+        """The streamed samples finished since the last call, and the stream's state."""
+        samples = self.service.take()
+        return StreamTake(samples, self.service.stream.in_flight, self.service.idle_s, self.policy_version)
 
     def stream_stop(self) -> int:
         """Back to call-by-call generation; the unfinished samples are dropped (their number is returned)."""

@@ -56,7 +56,9 @@ class Stream:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        seed = None if p.seed is None else (p.seed * 1_000_003 + p.resubmits) % (2**31 - 1)
+        seed = p.seed  # a first submission samples as RolloutWorker.generate does; a resubmission draws afresh
+        if seed is not None and p.resubmits:
+            seed = (seed * 1_000_003 + p.resubmits) % (2**31 - 1)
         params = self.params_for(p.remaining, seed)
         params.output_kind = RequestOutputKind.DELTA  # each step's new tokens, stamped with the version now
         self.live[p.request_id] = p
@@ -91,21 +93,33 @@ class Stream:
         self.live.clear()
         return n
 
-    def push(self, load: Callable[[], object], version: int) -> dict:
-        """Between two steps: abort the unfinished requests, ``load()`` the new weights, resubmit each request with
-        its tokens so far and the rest of its budget. The requests are resubmitted even when ``load`` raises (the
-        engine then still serves the old weights and version). ``loaded``: what ``load`` returned."""
-        t0 = time.perf_counter()
+    def paused(self, fn: Callable[[], object]):
+        """``fn()`` between two steps with the engine to itself: the unfinished requests aborted first and each
+        resubmitted afterwards with its tokens so far and the rest of its budget, also when ``fn`` raises (a
+        weight push's load, or a call that generates on the engine: an eval, the weight-sync probe)."""
         paused = list(self.live.values())
         self.abort_all()
         try:
-            loaded = load()
-            self.version = version
+            return fn()
         finally:
             for p in paused:
                 p.resubmits += 1
                 self._add(p)
-        return {"resubmitted": len(paused), "seconds": time.perf_counter() - t0, "version": self.version,
+
+    def push(self, load: Callable[[], object], version: int) -> dict:
+        """A weight push between two steps (:meth:`paused`): ``load()`` the new weights, and the resubmitted
+        requests sample with them as ``version``. When ``load`` raises the engine still serves the old weights
+        and version. ``loaded``: what ``load`` returned."""
+        t0 = time.perf_counter()
+        resubmitted = len(self.live)
+
+        def load_as_version():
+            out = load()
+            self.version = version
+            return out
+
+        loaded = self.paused(load_as_version)
+        return {"resubmitted": resubmitted, "seconds": time.perf_counter() - t0, "version": self.version,
                 "loaded": loaded}
 
 
@@ -125,6 +139,8 @@ class StreamService:
         self.finished: list = []
         self.error: BaseException | None = None
         self.closed = False
+        self._idle_s = 0.0  # seconds the engine waited with nothing to generate, up to _idle_since
+        self._idle_since: float | None = None  # when the current wait began (None: generating)
         self.thread = threading.Thread(target=self._run, name="fleetrl-stream", daemon=True)
         self.thread.start()
 
@@ -141,6 +157,13 @@ class StreamService:
             return future.result(timeout)
         except FutureTimeout:
             raise TimeoutError(f"{what}: the generation stream did not take it within {timeout:.0f} s") from None
+
+    @property
+    def idle_s(self) -> float:
+        """Seconds the engine has waited with nothing to generate since the stream started (an idle ratio's
+        numerator), the current wait included."""
+        since = self._idle_since
+        return self._idle_s + (time.perf_counter() - since if since is not None else 0.0)
 
     def take(self) -> list:
         """The samples finished since the last call."""
@@ -160,8 +183,14 @@ class StreamService:
 
         try:
             while not self.closed:
+                idle = not self.stream.in_flight
+                if idle and self._idle_since is None:
+                    self._idle_since = time.perf_counter()
+                elif not idle and self._idle_since is not None:
+                    self._idle_s += time.perf_counter() - self._idle_since
+                    self._idle_since = None
                 try:  # idle: wait for a command; generating: only take what is already queued
-                    item = self.commands.get(block=not self.stream.in_flight, timeout=1.0)
+                    item = self.commands.get(block=idle, timeout=1.0)
                 except queue.Empty:
                     item = False
                 if item is None:

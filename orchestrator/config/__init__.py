@@ -118,13 +118,21 @@ class FleetConfig(Section):
 
     @model_validator(mode="after")
     def _check_async(self) -> FleetConfig:
-        if self.rollout.mode == "one_step_off":
-            if self.rollout.max_staleness < 1:
-                raise ValueError("rollout.mode=one_step_off trains on samples one policy version old: it needs "
-                                 f"rollout.max_staleness >= 1 (got {self.rollout.max_staleness})")
-            if self.algorithm.tis_cap is None:
-                raise ValueError("rollout.mode=one_step_off needs the truncated-IS correction: set "
-                                 "algorithm.tis_cap (e.g. 2.0), not null")
+        r = self.rollout
+        if r.mode == "one_step_off" and r.max_staleness < 1:
+            raise ValueError("rollout.mode=one_step_off trains on samples one policy version old: it needs "
+                             f"rollout.max_staleness >= 1 (got {r.max_staleness})")
+        if r.mode != "sync" and r.max_staleness and self.algorithm.tis_cap is None:
+            raise ValueError(f"rollout.mode={r.mode} with rollout.max_staleness={r.max_staleness} trains on older "
+                             "policies' samples: it needs the truncated-IS correction, set algorithm.tis_cap "
+                             "(e.g. 2.0), not null")
+        if r.mode == "async":
+            if self.env.name:
+                raise ValueError("rollout.mode=async streams single-turn completions: multi-turn episodes "
+                                 f"(env.name={self.env.name}) run in sync or one_step_off mode")
+            if r.dynamic_sampling:
+                raise ValueError("rollout.mode=async takes groups as they complete: rollout.dynamic_sampling "
+                                 "(DAPO's resampling rounds) is a sync/one_step_off option")
         return self
 
     @model_validator(mode="after")

@@ -161,13 +161,23 @@ class RolloutConfig(Section):
     step's batch is full of informative groups (or `max_sampling_rounds` is reached)."""
     max_sampling_rounds: int = Field(3, ge=1, le=100)
     """Cap on generate+score rounds per step with dynamic sampling."""
-    mode: Literal["sync", "one_step_off"] = "sync"
+    mode: Literal["sync", "one_step_off", "async"] = "sync"
     """`sync`: generate, then train, then push. `one_step_off`: the engines generate (and the reward actors
     score) batch k+1 with policy version k while the learner trains on batch k; samples are one version stale
-    and the truncated-IS correction (`algorithm.tis_cap`) weighs them."""
+    and the truncated-IS correction (`algorithm.tis_cap`) weighs them. `async`: the engines generate without
+    pause from the prompt stream (at most `max_staleness` versions of work admitted ahead of the learner), the
+    learner takes a batch as soon as `data.prompts_per_step` groups are complete and scored, and a weight push
+    lands between two engine steps: unfinished samples keep their tokens and continue with the new weights
+    (partial rollouts; each token's version is recorded). With `max_staleness: 0` it trains exactly as `sync`."""
     max_staleness: int = Field(1, ge=0, le=16)
-    """Largest allowed `policy_version` gap between a sample's generator and the learner that trains on it
-    (one_step_off needs >= 1); a larger gap stops the run."""
+    """Largest allowed `policy_version` gap between a token's generator and the learner that trains on it
+    (one_step_off needs >= 1; a larger gap stops the run). `async`: the admission bound too, and a group with an
+    older token is handled by `stale_policy`."""
+    stale_policy: Literal["drop", "wait"] = "drop"
+    """`async`: a complete group with a token more than `max_staleness` versions old is dropped (`drop`, counted
+    in `async/dropped_stale`, its prompt's slot given back to the stream), or the learner waits for every group
+    that would become too old after its next push and trains on it first (`wait`, counted in `async/waited_s`;
+    nothing dropped)."""
     resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources each rollout actor requests (e.g. `{rollout_gpu: 1}`), beside num_cpus/num_gpus."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

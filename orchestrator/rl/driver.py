@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from learner.batch import TrainBatch
@@ -74,6 +75,16 @@ class Loop:
 
     def resume_in_flight(self, batch: Collected) -> None:
         raise ValueError(f"{type(self).__name__} keeps no batch in flight, but the checkpoint holds one")
+
+    def checkpoint_state(self) -> dict | None:
+        """What else a checkpoint records for this loop (JSON; the asynchronous stream's position and prompts)."""
+        return None
+
+    def resume_state(self, state: dict) -> None:
+        raise ValueError(f"{type(self).__name__} keeps no loop state, but the checkpoint holds some")
+
+    def close(self) -> None:
+        """The run ends (finished or failed): release what the loop holds on the fleet (a generation stream)."""
 
     def on_final(self, final: Path) -> None:
         """``final/`` holds the trained model: add what serving it needs."""
@@ -149,8 +160,16 @@ class Run:
                     "(trainer.save_every makes runs resumable)")
             raise LearnerDied(f"{e}. The run stopped; {hint}") from e
         finally:
+            if self._fleet is not None:
+                self._close_loop()
             if fleet is None and self._fleet is not None:
                 self._fleet.stop()
+
+    def _close_loop(self) -> None:
+        try:
+            self.loop.close()
+        except Exception:  # noqa: BLE001 - a failed run's fleet may be gone; the run's own error is what matters
+            log.exception("closing the loop's hold on the fleet failed")
 
     def start(self, fleet: Fleet | None = None) -> None:
         """Create the run directory and start the loop's fleet, or have ``fleet`` serve this run
@@ -190,6 +209,8 @@ class Run:
         in_flight = ckpt.load_in_flight(path)
         if in_flight is not None:  # one_step_off: the next step trains on the batch the checkpoint had in flight
             self.loop.resume_in_flight(in_flight)
+        if (path / "loop_state.json").exists():
+            self.loop.resume_state(json.loads((path / "loop_state.json").read_text()))
         self.console.print(f"resumed from {path} at step {self.start_step} (policy version {self.version})")
 
     def save_checkpoint(self, next_step: int) -> float:
@@ -204,6 +225,9 @@ class Run:
             in_flight = self.loop.in_flight()
             if in_flight is not None:  # one_step_off: generated and scored already (train_step waited)
                 ckpt.save_in_flight(stage, in_flight)
+            state = self.loop.checkpoint_state()
+            if state is not None:  # async: the stream's position and the prompts in flight
+                (stage / "loop_state.json").write_text(json.dumps(state))
             ckpt.commit(self.run_dir, stage, next_step, {"step": next_step, "policy_version": self.version},
                         dump_config(self.cfg), self.cfg.trainer.keep_checkpoints)
         except (OSError, RuntimeError) as e:  # a full disk surfaces as OSError or as torch.save's RuntimeError
@@ -308,11 +332,18 @@ class Run:
 
     # ---- what every loop uses ---------------------------------------------------------------------------------
 
-    def learn(self, batch: TrainBatch, critic_batch: TrainBatch | None = None) -> Update:
+    def learn(self, batch: TrainBatch, critic_batch: TrainBatch | None = None,
+              while_waiting: Callable[[], None] | None = None) -> Update:
         """Actor update, and the critic's beside it (both groups run concurrently) on ``critic_batch`` when the
-        actor's differs (tokens the off-policy rejection dropped from the policy loss still train the values)."""
+        actor's differs (tokens the off-policy rejection dropped from the policy loss still train the values).
+        ``while_waiting()`` is called repeatedly until both are done (the asynchronous stream's pump)."""
+        import ray
+
         refs = self.fleet.learner.train_async(batch)
         critic_refs = self.fleet.critic.train_async(critic_batch or batch) if self.fleet.critic else []
+        while while_waiting is not None and ray.wait(refs + critic_refs, num_returns=len(refs + critic_refs),
+                                                     timeout=0.05)[1]:
+            while_waiting()
         actor = gather_update(refs)
         if not critic_refs:
             return actor

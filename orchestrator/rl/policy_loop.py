@@ -21,6 +21,7 @@ from learner.corrections import reject
 from orchestrator.config import FleetConfig
 from orchestrator.evaluation.samples import restate_frac
 from orchestrator.ops.metrics import PhaseTimer
+from orchestrator.rl.async_rollout import AsyncRollout
 from orchestrator.rl.collect import collect
 from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
 from orchestrator.rl.episode_metrics import episode_metrics
@@ -37,13 +38,16 @@ class PolicyLoop(Loop):
 
         generate -> score -> (learner logprobs) -> advantages -> update -> push weights
 
-    ``one_step_off``: the next step's batch is generated and scored while this step trains (its prefetch)."""
+    ``one_step_off``: the next step's batch is generated and scored while this step trains (its prefetch).
+    ``async``: the engines stream (:mod:`orchestrator.rl.async_rollout`); a batch is the next complete groups."""
 
     def __init__(self, run: Run):
         super().__init__(run)
         self.cfg = run.cfg
         self.prefetch: Future | None = None  # one_step_off: the next step's batch, being generated and scored
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+        self.stream: AsyncRollout | None = None  # async: the streaming engines' driver side
+        self.stream_state: dict | None = None  # async: a checkpoint's stream, restored at the first batch
 
     @classmethod
     def prepare(cls, cfg: FleetConfig) -> FleetConfig:
@@ -64,6 +68,17 @@ class PolicyLoop(Loop):
         self.prefetch = Future()
         self.prefetch.set_result(InFlight(batch, PhaseTimer()))
 
+    def checkpoint_state(self) -> dict | None:
+        return None if self.stream is None else {"stream": self.stream.ledger.state()}
+
+    def resume_state(self, state: dict) -> None:
+        self.stream_state = state["stream"]
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
     def train_step(self, step: int) -> StepResult:
         timer = PhaseTimer()
         collected = self.rollout_batch(step, timer)
@@ -83,8 +98,9 @@ class PolicyLoop(Loop):
             steps = self.step_rewards(scored) if self.cfg.uses_process_rewards else None
             batch.advantages, batch.returns = self.advantages(scored, batch, steps)
         actor_batch, off_policy = self._reject(batch)
-        with timer("learn"):
-            update = self.run.learn(actor_batch, critic_batch=batch)
+        with timer("learn"):  # async: finished samples are taken and scored meanwhile
+            update = self.run.learn(actor_batch, critic_batch=batch,
+                                    while_waiting=self.stream.pump if self.stream else None)
             train_metrics = update.metrics
         with timer("rollout_wait"):  # one_step_off: the engines finish the next batch before they reload
             queued = self._wait_prefetch()
@@ -106,6 +122,9 @@ class PolicyLoop(Loop):
         """The step's scored groups. ``sync``: generated now. ``one_step_off``: the batch generated during the
         previous step (generated now only at the first step or after a resume), and generation of the next
         batch starts at once with the current weights, concurrently with this step's update."""
+        if self.cfg.rollout.mode == "async":
+            with timer("rollout_wait"):
+                return self._stream().take(step)
         if self.prefetch is None:
             out = collect(self.run, step, timer)
         else:
@@ -116,6 +135,14 @@ class PolicyLoop(Loop):
         if self.cfg.rollout.mode == "one_step_off" and step + 1 < self.cfg.trainer.total_steps:
             self.prefetch = self.pool.submit(self._collect_timed, step + 1)
         return out
+
+    def _stream(self) -> AsyncRollout:
+        """The asynchronous mode's stream, started (or continued from a checkpoint) at the first batch."""
+        if self.stream is None:
+            self.stream = AsyncRollout(self.run)
+            if self.stream_state is not None:
+                self.stream.ledger.restore(self.stream_state, self.run.version)
+        return self.stream
 
     def _collect_timed(self, step: int) -> InFlight:
         timer = PhaseTimer()
@@ -144,6 +171,10 @@ class PolicyLoop(Loop):
         if self.cfg.rollout.mode == "one_step_off":
             gen = out.get("time/generate_s", 0.0) + out.get("time/generate_overlapped_s", 0.0)
             busy = max(gen, learner_s + out.get("time/rollout_wait_s", 0.0))
+        elif self.cfg.rollout.mode == "async":  # the engines never stop: the learner's side is the step
+            busy = learner_s + out.get("time/rollout_wait_s", 0.0)
+            out["async/learner_idle_frac"] = out.get("time/rollout_wait_s", 0.0) / out["time/step_s"]
+            queued = self.stream.ledger.metrics()["async/in_flight"] if self.stream else 0
         else:
             busy = out.get("time/generate_s", 0.0) + learner_s
         out["time/overhead_s"] = max(0.0, out["time/step_s"] - busy)
@@ -157,6 +188,7 @@ class PolicyLoop(Loop):
                  "policy_version": x.sample.policy_version, "prompt": x.sample.prompt_text,
                  "prompt_ids": x.sample.prompt_ids, "completion": x.sample.completion_text,
                  "completion_ids": x.sample.completion_ids, "finish_reason": x.sample.finish_reason,
+                 "token_versions": x.sample.token_versions,
                  "reward": x.reward, "components": x.components, "loss_mask": x.sample.loss_mask,
                  "episode": dataclasses.asdict(x.sample.episode) if x.sample.episode else None} for x in scored]
         (out / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
