@@ -65,7 +65,10 @@ def generate(model_dir: str, prompts: list, system_prompt: str | None, max_new_t
         messages = [{"role": "user", "content": p.text}] if isinstance(p.text, str) else list(p.text)
         if system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system_prompt})
-        texts.append(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        if tok.chat_template is None and len(messages) == 1:  # a base model (the embedded one): the plain prompt
+            texts.append(messages[0]["content"])
+        else:
+            texts.append(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     replies = []
     for i in range(0, len(texts), batch_size):
         enc = tok(texts[i:i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)

@@ -213,6 +213,33 @@ def verify_throughput(result: dict) -> str:
     return f"{provenance(result['meta'])} {result['n']} completions; load average at the end {load}.\n\n{table}\n"
 
 
+def async_modes(result: dict) -> str:
+    """docs section 13: the rollout modes in the disaggregated layout, and the calibrated simulator beside them."""
+    measured, sim = result["measured"], result["simulated_x_sync"]
+    base = measured["sync"]["completions_per_s"]
+    rows = [[name, m["completions_per_s"], f"{m['completions_per_s'] / base:.2f}x", f"{sim[name]:.2f}x",
+             m["step_s"], m["engine_idle"], m["learner_idle"], m["staleness_max"], m["partial_frac"], m["dropped"]]
+            for name, m in measured.items()]
+    table = markdown_table(["mode", "completions/s", "x sync", "x sync, simulated", "s/step", "engine idle",
+                            "learner idle", "staleness max", "partial", "dropped groups"], rows)
+    load = ", ".join(f"{x:.2f}" for x in result["meta"]["loadavg_1_5_15min"])
+    lengths = f"mean completion {result['mean_length']:.1f} tokens of {result['case']['L']}"
+    return f"{provenance(result['meta'])} Load average at the end {load}; {lengths}.\n\n{table}\n"
+
+
+def async_learning(result: dict) -> str:
+    """docs section 13: held-out accuracy of the embedded default in sync and async, and the outside check."""
+    rows = []
+    for r in result["runs"].values():
+        curve = r["curve"]
+        out = r["outside_last_int"]
+        rows.append([r["mode"], r["seed"], curve[0][2], curve[-1][2], f"{out['accuracy']:.3f} +- {out['se']:.3f}",
+                     curve[-1][1], " ".join(f"{a:.2f}@{m:.1f}" for _, m, a in curve)])
+    table = markdown_table(["mode", "seed", "eval first", "eval last", "outside check (last int)",
+                            "train + eval minutes", "accuracy @ minutes"], rows)
+    return f"{provenance(result['meta'])}\n\n{table}\n"
+
+
 def readme_end_to_end(result: dict) -> str:
     """README: the generation-heavy row of section 2 in one line, with its machine."""
     runs = {r["system"]: r for r in result["gen_heavy"]["runs"]}
@@ -237,6 +264,8 @@ TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "lora_accuracy": ("smollm2_demo_lora.json", lora_accuracy),
     "readme_end_to_end": ("end_to_end.json", readme_end_to_end),
     "verify_throughput": ("verify_throughput.json", verify_throughput),
+    "async_modes": ("async.json", async_modes),
+    "async_learning": ("async_learning.json", async_learning),
 }
 """Table name -> (result file in bench/results, renderer)."""
 DOCS = [DOC, Path("README.md")]

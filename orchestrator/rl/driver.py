@@ -342,7 +342,7 @@ class Run:
         refs = self.fleet.learner.train_async(batch)
         critic_refs = self.fleet.critic.train_async(critic_batch or batch) if self.fleet.critic else []
         while while_waiting is not None and ray.wait(refs + critic_refs, num_returns=len(refs + critic_refs),
-                                                     timeout=0.05)[1]:
+                                                     timeout=0.2)[1]:
             while_waiting()
         actor = gather_update(refs)
         if not critic_refs:
