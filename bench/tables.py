@@ -240,6 +240,22 @@ def async_learning(result: dict) -> str:
     return f"{provenance(result['meta'])}\n\n{table}\n"
 
 
+def async_cluster(result: dict) -> str:
+    """docs section 13: verl's published fully async speed-ups beside the simulator's, calibrated on the colocated
+    rows."""
+    rows = []
+    for n, r in result["setups"].items():
+        pub, pred = r["published"], r["predicted_step_s"]
+        rows.append([n, pub["sync_step"], pred["sync"], pub["async_step"],
+                     f"{pub['sync_step'] / pub['async_step']:.2f}x", pred["async"],
+                     f"{pred['sync'] / pred['async']:.2f}x", pred["async_measured_learner"],
+                     f"{pred['sync'] / pred['async_measured_learner']:.2f}x"])
+    table = markdown_table(["GPUs", "sync s/step, published", "sync s/step, model", "async s/step, published",
+                            "async x sync, published", "async s/step, model", "async x sync, model",
+                            "async s/step, model with verl's async trainer", "x sync"], rows)
+    return f"{provenance(result['meta'])}\n\n{table}\n"
+
+
 def readme_end_to_end(result: dict) -> str:
     """README: the generation-heavy row of section 2 in one line, with its machine."""
     runs = {r["system"]: r for r in result["gen_heavy"]["runs"]}
@@ -266,6 +282,7 @@ TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "verify_throughput": ("verify_throughput.json", verify_throughput),
     "async_modes": ("async.json", async_modes),
     "async_learning": ("async_learning.json", async_learning),
+    "async_cluster": ("async_cluster.json", async_cluster),
 }
 """Table name -> (result file in bench/results, renderer)."""
 DOCS = [DOC, Path("README.md")]

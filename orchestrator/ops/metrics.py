@@ -114,6 +114,8 @@ def progress_line(m: dict) -> str:
     return (f"step {m['step']:>4} v{m['policy_version']} reward {m.get('reward/mean', float('nan')):.3f}"
             f" acc {m.get('train/accuracy', float('nan')):.3f}{ev} loss {m.get('loss', float('nan')):+.4f}"
             + (f" kl {kl:.4f}" if kl == kl else "") + f" sync_diff {sync:.1e}"
-            f" | gen {m.get('time/generate_s', 0):.2f}s learn {m.get('time/learn_s', 0):.2f}s"
+            + (f" | wait {m['async/waited_s']:.2f}s stale {m['async/staleness_max']:.0f}"  # async: no generate phase
+               if "async/waited_s" in m else f" | gen {m.get('time/generate_s', 0):.2f}s")
+            + f" learn {m.get('time/learn_s', 0):.2f}s"
             f" sync {m.get('time/sync_s', 0):.2f}s step_time {m.get('time/step_s', 0):.2f}s"
             f" tok/s {m.get('throughput/tokens_per_s', 0):.0f}")
