@@ -9,7 +9,8 @@ The task: ``configs/gen_heavy.yaml``'s random-init ~24 M-param model (fp32, eage
 step, completions capped at 128 tokens and stopped at any doubled digit (``11`` ... ``99``): the model samples
 nearly uniformly, so a completion stops with probability ~1/40 per token (mean ~35 tokens, a few percent run to
 the cap). Its reward is 0: this measures throughput, not learning. One rollout engine (1 thread), one reward actor,
-one learner rank (ZeRO-0); every mode gets the same pinning, re-applied every 0.5 s to the actors' threads.
+one learner rank (ZeRO-0); every mode gets the same pinning (the driver with the engine), re-applied every 0.5 s
+to every thread of the processes.
 
 Per mode (steps after the warm-up): completions/s, the speed-up over sync, the learner's idle share (step time
 outside its logprob pass and update), the engine's idle share (sync/one_step_off: step time outside generation;
@@ -31,7 +32,10 @@ MODES = [("sync", ["rollout.mode=sync"]), ("one_step_off", ["rollout.mode=one_st
     (f"async eta={eta}", ["rollout.mode=async", f"rollout.max_staleness={eta}"]) for eta in (1, 2, 4)]
 FULL = dict(preset="gen-heavy", P=8, G=8, L=128, steps=10, skip=2)
 QUICK = dict(preset="gen-tiny", P=4, G=4, L=32, steps=3, skip=1)
-ROLES = {"RolloutWorker": {0}, "RewardWorker": {0}, "LearnerWorker": {1}}
+ROLES = {"ray::RolloutWorker": {0}, "ray::RewardWorker": {0}, "ray::LearnerWorker": {1},
+         "orchestrator\x00train": {0}}
+"""Process title (or command line) fragment -> cores: the driver (`python -m orchestrator train`, which polls the
+streams in async mode) goes with the engine and the reward actor, so the learner has its core to itself."""
 
 
 def pin(stop: threading.Event, roles: dict[str, set[int]]) -> None:
@@ -43,7 +47,7 @@ def pin(stop: threading.Event, roles: dict[str, set[int]]) -> None:
                 tids = os.listdir(f"/proc/{pid}/task")
             except OSError:
                 continue
-            cores = next((c for name, c in roles.items() if f"ray::{name}".encode() in title), None)
+            cores = next((c for name, c in roles.items() if name.encode() in title), None)
             for tid in tids if cores else []:
                 try:
                     os.sched_setaffinity(int(tid), cores)
