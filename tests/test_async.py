@@ -107,6 +107,30 @@ def test_a_lost_engine_requeues_its_groups_and_a_checkpoint_restores_the_stream(
     assert [g.index for g in again.admit(5)] == list(range(3 * B, 8 * B))  # new positions only
 
 
+def test_wait_trains_in_admission_order_and_drops_nothing_when_later_groups_finish_first():
+    """stale_policy=wait with eta = 2, one prompt per step: groups 1 and 2 finish before group 0, yet each batch is
+    the oldest admitted group (the learner waits for it), so none becomes too old and none is dropped (taking the
+    first complete groups would leave group 0 behind until it is more than eta versions old)."""
+    ledger = Ledger(1, 1, 2, "wait", lambda n: (Prompt(f"s{n}-0", "", {}), n))
+    version, order = 0, []
+    pending = ledger.admit(version)
+    for done in ([1, 2], [0], [3], [4]):
+        for n in done:
+            g = next(g for g in pending if g.index == n)
+            ledger.scored(ledger.add(_sample(g.prompt.uid, 0, [version])), [])
+        while (batch := ledger.select(version)[0]) is not None:
+            order += [g.index for g in batch]
+            version += 1
+            pending += ledger.admit(version)
+    assert order == [0, 1, 2, 3, 4] and ledger.dropped == 0
+
+
+def test_a_run_resumed_from_another_modes_checkpoint_goes_on_from_its_step():
+    ledger = Ledger(B, G, 1, "drop", _prompt_at)
+    ledger.start_at(3)
+    assert [g.index for g in ledger.admit(3)] == list(range(3 * B, 5 * B))  # step 3's prompts first, eta=1 ahead
+
+
 def test_engines_get_new_prompts_where_the_load_is_lowest_in_contiguous_order():
     assert balanced_counts([0, 0], 5) == [3, 2]  # sync's split of a step's prompts over two engines
     assert balanced_counts([3, 0], 5) == [1, 4]

@@ -7,6 +7,7 @@ weight buckets (:mod:`workers.weight_buckets`) in Ray's object store (see :mod:`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -17,6 +18,10 @@ from common.actor_logs import LoggedActor
 from common.imports import skip_unused_imports
 from workers.prompts import PromptRenderer
 from workers.records import Sample, StreamTake
+
+ENGINE_CALL_S = 3600.0
+"""How long a call that needs the engine (an eval's generation, a weight push, a judge's logprobs) may wait for a
+streaming engine's thread to run it, before the call fails naming what it waited for."""
 
 CPU_ENV = {
     # one engine per actor, in-process (no engine-core subprocess inside a Ray worker)
@@ -128,10 +133,15 @@ class RolloutWorker(LoggedActor):
         unfinished samples resubmitted afterwards with their tokens so far): evals and the weight-sync probe of a
         fully asynchronous run lose no streamed token."""
         args = (prompts, group_size, max_new_tokens, temperature, top_p, seed, prefixes, stop)
+        return self._on_engine(lambda: self._generate(*args), "generate")
+
+    def _on_engine(self, fn, what: str, timeout: float = ENGINE_CALL_S):
+        """``fn()``, which uses the engine: at once, or while streaming on the stream's thread with the stream
+        paused (the engine is not thread-safe; :meth:`workers.stream.Stream.paused`)."""
         if self.service is None:
-            return self._generate(*args)
-        stream = self.service.stream  # the engine is not thread-safe: the stream's thread owns it
-        return self.service.call(lambda: stream.paused(lambda: self._generate(*args)), f"{self.name}: generate")
+            return fn()
+        stream = self.service.stream
+        return self.service.call(lambda: stream.paused(fn), f"{self.name}: {what}", timeout)
 
     def _generate(self, prompts, group_size, max_new_tokens, temperature, top_p, seed, prefixes, stop) -> list[Sample]:
         from vllm.inputs import TokensPrompt
@@ -180,8 +190,9 @@ class RolloutWorker(LoggedActor):
         fits = [len(x) + 1 < self.max_model_len for x in ids]
         requests = [TokensPrompt(prompt_token_ids=x + [o]) for x, ok in zip(ids, fits) if ok for o in option_ids]
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
-        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora_request()) \
-            if requests else []
+        outputs = self._on_engine(lambda: self.llm.generate(requests, params, use_tqdm=False,
+                                                            lora_request=self._lora_request()),
+                                  "option_logprobs") if requests else []
         logps = iter(out.prompt_logprobs[-1][out.prompt_token_ids[-1]].logprob for out in outputs)
         return [[next(logps) for _ in option_ids] if ok else None for ok in fits]
 
@@ -222,8 +233,10 @@ class RolloutWorker(LoggedActor):
 
         from workers.stream import Stream, StreamService
 
-        if self.service is not None:
-            return
+        if self.service is not None:  # a stream a failed run left behind: its requests are not this run's
+            with contextlib.suppress(Exception):
+                self.stream_stop()
+
         def params_for(max_tokens: int, seed: int | None):
             return _sampling(temperature, top_p, max_tokens, seed, self.stop or None)
 
@@ -253,10 +266,11 @@ class RolloutWorker(LoggedActor):
         """Back to call-by-call generation; the unfinished samples are dropped (their number is returned)."""
         if self.service is None:
             return 0
-        dropped = self.service.call(self.service.stream.abort_all, "stream_stop")
-        self.service.close()
-        self.service, self.streamed = None, {}
-        return dropped
+        service, self.service, self.streamed = self.service, None, {}
+        try:
+            return service.call(service.stream.abort_all, "stream_stop")
+        finally:  # detached even when the stream thread died or did not answer
+            service.close()
 
     def _streamed_sample(self, p) -> Sample:
         uid, j, text, meta = self.streamed.pop(p.uid)
@@ -279,7 +293,8 @@ class RolloutWorker(LoggedActor):
             loaded = apply()
         else:
             stream = self.service.stream
-            loaded = self.service.call(lambda: stream.push(apply, version)["loaded"], f"weight push v{version}")
+            loaded = self.service.call(lambda: stream.push(apply, version)["loaded"], f"weight push v{version}",
+                                       ENGINE_CALL_S)
         self.policy_version = version
         return loaded
 
@@ -321,8 +336,8 @@ class RolloutWorker(LoggedActor):
 
     def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> list[int]:
         """Every worker of this engine joins the learner's weight group (see :mod:`workers.nccl_sync`)."""
-        return self.llm.collective_rpc("fleetrl_init_weight_group",
-                                       args=(host, port, rank_offset, world_size, backend))
+        return self._on_engine(lambda: self.llm.collective_rpc(
+            "fleetrl_init_weight_group", args=(host, port, rank_offset, world_size, backend)), "join_weight_group")
 
     def receive_weights(self, plans: list, version: int) -> dict:
         """Receive one collective push (learner rank 0 broadcasts) and reload the engine in place."""
@@ -342,7 +357,7 @@ class RolloutWorker(LoggedActor):
 
     def engine_weights(self) -> dict:
         """The engine's parameters under vLLM's names (see ``fleetrl_named_weights``), from its first worker."""
-        return self.llm.collective_rpc("fleetrl_named_weights")[0]
+        return self._on_engine(lambda: self.llm.collective_rpc("fleetrl_named_weights")[0], "engine_weights")
 
     def stats(self) -> dict:
         import torch

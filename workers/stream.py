@@ -162,8 +162,9 @@ class StreamService:
     def idle_s(self) -> float:
         """Seconds the engine has waited with nothing to generate since the stream started (an idle ratio's
         numerator), the current wait included."""
-        since = self._idle_since
-        return self._idle_s + (time.perf_counter() - since if since is not None else 0.0)
+        with self.lock:
+            since, total = self._idle_since, self._idle_s
+        return total + (time.perf_counter() - since if since is not None else 0.0)
 
     def take(self) -> list:
         """The samples finished since the last call."""
@@ -184,11 +185,12 @@ class StreamService:
         try:
             while not self.closed:
                 idle = not self.stream.in_flight
-                if idle and self._idle_since is None:
-                    self._idle_since = time.perf_counter()
-                elif not idle and self._idle_since is not None:
-                    self._idle_s += time.perf_counter() - self._idle_since
-                    self._idle_since = None
+                with self.lock:  # the idle clock's two fields change together (idle_s reads them from another thread)
+                    if idle and self._idle_since is None:
+                        self._idle_since = time.perf_counter()
+                    elif not idle and self._idle_since is not None:
+                        self._idle_s += time.perf_counter() - self._idle_since
+                        self._idle_since = None
                 try:  # idle: wait for a command; generating: only take what is already queued
                     item = self.commands.get(block=idle, timeout=1.0)
                 except queue.Empty:

@@ -174,10 +174,11 @@ class RolloutConfig(Section):
     (one_step_off needs >= 1; a larger gap stops the run). `async`: the admission bound too, and a group with an
     older token is handled by `stale_policy`."""
     stale_policy: Literal["drop", "wait"] = "drop"
-    """`async`: a complete group with a token more than `max_staleness` versions old is dropped (`drop`, counted
-    in `async/dropped_stale`, its prompt's slot given back to the stream), or the learner waits for every group
-    that would become too old after its next push and trains on it first (`wait`, counted in `async/waited_s`;
-    nothing dropped)."""
+    """`async`. `drop`: the learner takes the first complete groups, and one with a token more than
+    `max_staleness` versions old is dropped (counted in `async/dropped_stale`, its prompt's slot given back to the
+    stream). `wait`: the learner takes the groups in the order they were admitted, waiting for the oldest
+    (`async/waited_s`); the admission bound then keeps every token within `max_staleness` and nothing is
+    dropped."""
     resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources each rollout actor requests (e.g. `{rollout_gpu: 1}`), beside num_cpus/num_gpus."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

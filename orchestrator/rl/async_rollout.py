@@ -120,19 +120,20 @@ class Ledger:
 
     def select(self, version: int) -> tuple[list[Group] | None, list[Group]]:
         """The batch the learner at ``version`` trains on (None: not ready yet), and the groups dropped now.
-        Ready groups go oldest first; a group with a token older than ``eta`` versions is dropped. ``wait``: every
-        group that would be too old after the coming push must be in this batch, so the learner waits for it."""
+        ``drop``: the complete groups, oldest token first; a group with a token older than ``eta`` versions is
+        dropped. ``wait``: the ``B`` groups admitted first, once all are complete (the learner waits for them): the
+        admission bound then keeps every token within ``eta`` versions and nothing is dropped."""
         dropped = [g for g in self.groups.values() if g.scored is not None and version - g.oldest > self.eta]
         for g in dropped:
             del self.groups[g.prompt.uid]
         self.dropped_stale += len(dropped)
-        ready = sorted((g for g in self.groups.values() if g.scored is not None), key=lambda g: (g.oldest, g.done_seq))
-        if self.policy == "wait":
-            must = [g for g in self.groups.values() if g.oldest <= version - self.eta]
-            if any(g.scored is None for g in must):
+        if self.policy == "wait":  # admission order: a group admitted at version a is trained by a + eta
+            ready = sorted(self.groups.values(), key=lambda g: g.index)[: self.B]
+            if any(g.scored is None for g in ready):
                 return None, dropped
-            first = sorted(must, key=lambda g: (g.oldest, g.done_seq))[: self.B]
-            ready = first + [g for g in ready if g not in first]
+        else:
+            ready = sorted((g for g in self.groups.values() if g.scored is not None),
+                           key=lambda g: (g.oldest, g.done_seq))
         if len(ready) < self.B:
             return None, dropped
         batch = sorted(ready[: self.B], key=lambda g: g.index)
@@ -157,6 +158,11 @@ class Ledger:
         scratch on resume; their positions are never handed out again)."""
         return {"admitted": self.admitted, "trained": self.trained, "dropped_stale": self.dropped_stale,
                 "requeued": self.requeued, "in_flight": sorted(g.index for g in self.groups.values())}
+
+    def start_at(self, step: int) -> None:
+        """A run resumed at ``step`` from a checkpoint of another mode (no stream recorded): the stream goes on from
+        that step's prompts, as sync would."""
+        self.admitted = self.trained = step * self.B
 
     def restore(self, state: dict, version: int) -> None:
         self.admitted, self.trained = state["admitted"], state["trained"]
@@ -252,7 +258,7 @@ class AsyncRollout:
         """Every engine back to call-by-call generation; its unfinished samples are dropped with the run."""
         import ray
 
-        for w in self.streaming.values():
+        for w in self.run.fleet.rollouts.workers:  # every engine (stream_stop is a no-op on one not streaming)
             try:
                 ray.get(w.stream_stop.remote())
             except ray.exceptions.RayError:  # a dead engine streams nothing

@@ -142,6 +142,8 @@ class PolicyLoop(Loop):
             self.stream = AsyncRollout(self.run)
             if self.stream_state is not None:
                 self.stream.ledger.restore(self.stream_state, self.run.version)
+            elif self.run.start_step:  # resumed from a sync or one_step_off checkpoint
+                self.stream.ledger.start_at(self.run.start_step)
         return self.stream
 
     def _collect_timed(self, step: int) -> InFlight:
