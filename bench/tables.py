@@ -240,6 +240,26 @@ def async_learning(result: dict) -> str:
     return f"{provenance(result['meta'])}\n\n{table}\n"
 
 
+def distill_compare(result: dict) -> str:
+    """docs/recipes.md: on-policy distillation, GRPO and offline distillation from one teacher, equal training time,
+    each final policy scored outside fleetrl."""
+    labels = {"base": "base (SmolLM2-135M-Instruct)", "teacher": "teacher (the GRPO demo's final policy)",
+              "on_policy_distill": "(a) on-policy distillation", "grpo": "(b) GRPO from the base",
+              "offline_distill": "(c) offline distillation (distill + SFT)"}
+    rows = []
+    for name, r in result["runs"].items():
+        out = r["outside"]["last_int"]
+        minutes = f"{r['wall_s'] / 60:.1f}" if "wall_s" in r else ""
+        curve = " ".join(f"{a:.2f}@{m:.1f}" for _, m, a in r.get("curve", []))
+        rows.append([labels.get(name, name), r.get("steps", ""), minutes, f"{out['accuracy']:.3f} +- {out['se']:.3f}",
+                     curve])
+    table = markdown_table(["policy", "steps", "wall minutes", "outside check (last int, 200 prompts)",
+                            "fleetrl eval accuracy @ training minutes"], rows)
+    s = result["settings"]
+    return (f"{provenance(result['meta'])} Training budget {s['minutes']:g} min per path; offline distillation's "
+            f"teacher generation ({s['distill_prompts']} prompts) comes on top.\n\n{table}\n")
+
+
 def async_cluster(result: dict) -> str:
     """docs section 13: verl's published fully async speed-ups beside the simulator's, calibrated on the colocated
     rows."""
@@ -283,9 +303,10 @@ TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "async_modes": ("async.json", async_modes),
     "async_learning": ("async_learning.json", async_learning),
     "async_cluster": ("async_cluster.json", async_cluster),
+    "distill_compare": ("distill_compare.json", distill_compare),
 }
 """Table name -> (result file in bench/results, renderer)."""
-DOCS = [DOC, Path("README.md")]
+DOCS = [DOC, Path("README.md"), Path("docs/recipes.md")]
 """The pages whose ``<!-- bench:NAME -->`` blocks are generated."""
 
 

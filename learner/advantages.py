@@ -42,6 +42,8 @@ class AdvantageInputs:
     old_logprobs: Tensor | None = None  # [B, T] policy logprobs before the update
     ref_logprobs: Tensor | None = None  # [B, T] reference logprobs
     turn_rewards: Tensor | None = None  # [B, T] multi-turn episodes: each turn's reward on its last token
+    rollout_logprobs: Tensor | None = None  # [B, T] the engine's logprobs of the sampled tokens
+    teacher_logprobs: Tensor | None = None  # [B, T] a teacher's logprobs of the same tokens (on-policy distillation)
 
     def outcome_token_rewards(self) -> Tensor:
         """``[B, T]``: the outcome reward on each sequence's last valid token, 0 elsewhere. For multi-turn
@@ -93,6 +95,14 @@ def compute_grpo(rewards: Tensor, group_ids: Tensor, mask: Tensor, scale_by_std:
         adv = adv / (std + eps)
     adv = torch.where(count > 1, adv, torch.zeros_like(adv))
     return _broadcast(adv, mask)
+
+
+@register_estimator("reverse_kl")
+def compute_reverse_kl(teacher_logprobs: Tensor, student_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """On-policy distillation's per-token advantage: ``A_t = log pi_T(y_t) - log pi_S(y_t)`` for ``y_t`` sampled
+    from the student, the negative of the per-token reverse KL estimate (its mean over samples is
+    ``-KL(pi_S || pi_T)``). No discounting, no baseline: each token is judged by the teacher where it stands."""
+    return (teacher_logprobs - student_logprobs) * mask
 
 
 @register_estimator("dr_grpo")

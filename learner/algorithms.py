@@ -134,6 +134,18 @@ def grpo_process(cfg, x: AdvantageInputs) -> tuple[Tensor, None]:
     return get_estimator("grpo_process")(x.step_rewards, x.step_ends, x.group_ids, x.mask, eps=cfg.eps), None
 
 
+@register_algorithm("on_policy_distill")
+def on_policy_distill(cfg, x: AdvantageInputs) -> tuple[Tensor, None]:
+    """The teacher's per-token reverse KL to the student's sampled tokens, plus ``reward_weight`` times the task
+    reward's GRPO advantage."""
+    assert x.teacher_logprobs is not None and x.rollout_logprobs is not None, "distillation needs both logprobs"
+    adv = get_estimator("reverse_kl")(x.teacher_logprobs, x.rollout_logprobs, x.mask)
+    if cfg.reward_weight:
+        grpo = get_estimator("grpo")(x.rewards, x.group_ids, x.mask, scale_by_std=cfg.scale_by_std, eps=cfg.eps)
+        adv = adv + cfg.reward_weight * grpo
+    return adv, None
+
+
 @register_algorithm("ppo")
 def ppo(cfg, x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """Per-token rewards: the outcome reward on the last response token (plus, with a PRM, each step's score on the

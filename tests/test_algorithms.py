@@ -3,6 +3,8 @@ hand: prompt uid -> group id, reward components by name, PPO's outcome reward on
 KL-shaped per-token reward, GDPO's name mapping and conditions, process rewards aligned to the tokens that end each
 step. Pure torch, no Ray."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -150,3 +152,23 @@ def test_group_advantages_over_episodes_by_hand():
     returns = torch.tensor([1.5, 0.0, 0.0])  # episode returns
     by_hand = (returns - returns.mean()) / (returns.std() + 1e-6)
     assert torch.allclose(adv, by_hand[:, None] * mask, atol=1e-6)
+
+
+def test_on_policy_distill_advantage_is_the_teachers_logprob_minus_the_students_on_each_token():
+    """Each token's advantage is log pi_teacher - log pi_student of that token (no baseline, no discount);
+    the task reward enters only with ``reward_weight``, as GRPO's advantage scaled by it."""
+    student = torch.tensor([[-0.5, -1.0, -2.0, 0.0], [-0.1, -0.2, 0.0, 0.0], [-1.0, -1.0, -1.0, -1.0],
+                            [-3.0, 0.0, 0.0, 0.0]]) * MASK
+    teacher = torch.tensor([[-0.25, -3.0, -2.0, 0.0], [-0.1, -0.7, 0.0, 0.0], [-0.5, -2.0, -1.0, -0.125],
+                            [-1.0, 0.0, 0.0, 0.0]]) * MASK
+    x = replace(advantage_inputs([1.0, 0.0, 0.0, 1.0], [{}] * 4, UIDS, MASK), rollout_logprobs=student,
+                teacher_logprobs=teacher)
+    adv, returns = assemble_advantages(algo("on_policy_distill"), x)
+    assert returns is None
+    assert adv[0].tolist() == [0.25, -2.0, 0.0, 0.0] and adv[3].tolist() == [2.0, 0.0, 0.0, 0.0]
+    assert torch.equal(adv, (teacher - student) * MASK)
+    same = replace(x, teacher_logprobs=student.clone())
+    assert torch.equal(assemble_advantages(algo("on_policy_distill"), same)[0], torch.zeros(4, 4))
+    mixed, _ = assemble_advantages(algo("on_policy_distill", "algorithm.reward_weight=0.5"), x)
+    grpo, _ = assemble_advantages(algo("grpo"), x)
+    assert torch.allclose(mixed, adv + 0.5 * grpo)

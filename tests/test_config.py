@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from orchestrator.config import ConfigError, FleetConfig, GRPOConfig, RLOOConfig, load_config
+from orchestrator.config import EMBEDDED_MODEL_PATH, ConfigError, FleetConfig, GRPOConfig, RLOOConfig, load_config
 from tests.conftest import cli
 
 
@@ -154,3 +154,28 @@ def test_the_asynchronous_modes_refuse_what_they_cannot_train(overrides, why):
     with pytest.raises(ConfigError, match=why):
         load_config(None, overrides)
     assert load_config(None, ["rollout.mode=async", "rollout.max_staleness=0", "algorithm.tis_cap=null"])
+
+
+def test_cli_on_policy_distill_with_another_tokenizer_exits_2_before_any_actor(tmp_path, smollm2_tokenizer_dir):
+    """The teacher scores the student's token ids: a teacher with another vocabulary (SmolLM2's tokenizer against
+    the embedded model's) is one line and exit 2, before Ray or any actor; so is a teacher that is not a model."""
+    from orchestrator.rl.policy_loop import check_same_tokenizer
+
+    r = cli("train", "algorithm.name=on_policy_distill", f"distill.teacher={smollm2_tokenizer_dir}",
+            f"run.dir={tmp_path}/run")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "distill.teacher" in r.stderr and "same tokenizer" in r.stderr
+    assert "ray" not in r.stdout.lower() and not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match="distill.teacher: give"):
+        check_same_tokenizer(load_config(None, ["algorithm.name=on_policy_distill"]))
+    check_same_tokenizer(load_config(None, ["algorithm.name=on_policy_distill",
+                                            f"distill.teacher={EMBEDDED_MODEL_PATH}"]))
+
+
+@pytest.mark.parametrize("override", ["rollout.temperature=0.7", "rollout.top_p=0.9"])
+def test_on_policy_distill_samples_the_students_own_distribution(override):
+    """The teacher's logprobs are at temperature 1; a tempered or truncated student would be compared with another
+    distribution than the one it sampled from."""
+    with pytest.raises(ConfigError, match="rollout.temperature=1.0 and rollout.top_p=1.0"):
+        load_config(None, ["algorithm.name=on_policy_distill", override])
+    assert load_config(None, ["algorithm.name=grpo", override])

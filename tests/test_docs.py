@@ -83,6 +83,7 @@ if __name__ == "__main__":
 
 def test_benchmark_tables_are_generated_from_their_results(tmp_path):
     """docs/BENCHMARKS.md's generated tables equal what bench/results renders, and a stale one is caught."""
+    from bench.tables import DOCS
     from bench.tables import render as render_tables
 
     doc = (ROOT / "docs" / "BENCHMARKS.md").read_text()
@@ -90,7 +91,9 @@ def test_benchmark_tables_are_generated_from_their_results(tmp_path):
     assert render_tables(doc, ROOT / "bench" / "results") == doc, "run `python -m bench.tables`"
     readme = (ROOT / "README.md").read_text()
     assert "<!-- bench:readme_end_to_end -->" in readme
-    assert render_tables(readme, ROOT / "bench" / "results") == readme, "run `python -m bench.tables`"
+    for page in DOCS:
+        text = (ROOT / page).read_text()
+        assert render_tables(text, ROOT / "bench" / "results") == text, f"{page}: run `python -m bench.tables`"
     result = {"meta": {"cpu": "Test CPU (AVX2)", "commit": "abc", "time": "t", "cpus": 2},
               "gen_heavy": {"runs": [{"system": "fleetrl (sync, fp32)", "step_s": 10.0, "completions_per_s": 6.4,
                                       "mean_len": 128}, {"system": "TRL GRPOTrainer (fp32)", "step_s": 20.0,
@@ -108,12 +111,12 @@ def test_every_result_a_generated_table_reads_is_committed():
     import re
     import subprocess
 
-    from bench.tables import TABLES
+    from bench.tables import DOCS, TABLES
 
     tracked = set(subprocess.run(["git", "ls-files", "bench/results"], cwd=ROOT, capture_output=True, text=True,
                                  check=True).stdout.split())
     if not tracked:  # not a git checkout (an installed copy): nothing to compare
         return
-    for doc in (ROOT / "docs" / "BENCHMARKS.md", ROOT / "README.md"):
-        for name in set(re.findall(r"<!-- bench:(\w+) -->", doc.read_text())) & set(TABLES):
+    for doc in DOCS:
+        for name in set(re.findall(r"<!-- bench:(\w+) -->", (ROOT / doc).read_text())) & set(TABLES):
             assert f"bench/results/{TABLES[name][0]}" in tracked, f"git add -f bench/results/{TABLES[name][0]}"

@@ -196,6 +196,24 @@ class RolloutWorker(LoggedActor):
         logps = iter(out.prompt_logprobs[-1][out.prompt_token_ids[-1]].logprob for out in outputs)
         return [[next(logps) for _ in option_ids] if ok else None for ok in fits]
 
+    def token_logprobs(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """For each (prompt ids, completion ids): this engine's model's logprob of every completion token given
+        everything before it, at temperature 1 (vLLM's prompt logprobs of the whole sequence; a teacher scoring a
+        student's samples). A sequence longer than the engine's context is an error naming its length."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        for prompt, completion in sequences:
+            if len(prompt) + len(completion) + 1 > self.max_model_len:
+                raise ValueError(f"{self.name}: a sequence of {len(prompt)} prompt + {len(completion)} completion "
+                                 f"tokens does not fit the engine's context ({self.max_model_len} tokens)")
+        requests = [TokensPrompt(prompt_token_ids=list(p) + list(c)) for p, c in sequences]
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        outputs = self._on_engine(lambda: self.llm.generate(requests, params, use_tqdm=False,
+                                                            lora_request=self._lora_request()), "token_logprobs")
+        return [[out.prompt_logprobs[len(p) + k][t].logprob for k, t in enumerate(c)]
+                for out, (p, c) in zip(outputs, sequences)]
+
     def run_episodes(self, prompts: list[tuple[str, str | list[dict], dict]], group_size: int, env: dict,
                      max_new_tokens: int, temperature: float, top_p: float, seed: int | None,
                      env_actors: list | None = None) -> list[Sample]:

@@ -24,6 +24,7 @@ from orchestrator.config.algorithm_sections import (  # noqa: F401 - re-exported
     GRPOConfig,
     GRPOProcessConfig,
     LossConfig,
+    OnPolicyDistillConfig,
     PPOConfig,
     ReinforcePPBaselineConfig,
     ReinforcePPConfig,
@@ -133,6 +134,17 @@ class FleetConfig(Section):
             if r.dynamic_sampling:
                 raise ValueError("rollout.mode=async takes groups as they complete: rollout.dynamic_sampling "
                                  "(DAPO's resampling rounds) is a sync/one_step_off option")
+        return self
+
+    @model_validator(mode="after")
+    def _check_teacher(self) -> FleetConfig:
+        """On-policy distillation's advantage compares the student's sampled logprobs with the teacher's at
+        temperature 1: the student must sample its own distribution, untempered and untruncated."""
+        r = self.rollout
+        if self.algorithm.uses_teacher and (r.temperature != 1.0 or r.top_p != 1.0):
+            raise ValueError(f"algorithm.name={self.algorithm.name} compares the student's logprobs with the "
+                             "teacher's at temperature 1: it needs rollout.temperature=1.0 and rollout.top_p=1.0 "
+                             f"(got {r.temperature} and {r.top_p})")
         return self
 
     @model_validator(mode="after")

@@ -53,6 +53,8 @@ class LossConfig(Section):
 
     uses_critic: ClassVar[bool] = False
     uses_step_rewards: ClassVar[bool] = False
+    uses_teacher: ClassVar[bool] = False
+    """The teacher's engines (`distill.teacher`, `teacher-i` actors) score every sampled token."""
     objective: ClassVar[str] = "policy"
     """The registered learner loss (`learner.losses.LOSSES`) this algorithm trains with."""
     sampling_temperature_logprobs: ClassVar[bool] = True
@@ -166,11 +168,31 @@ class PPOConfig(LossConfig):
         return self.kl_coef > 0 or self.kl_reward_coef > 0
 
 
+class OnPolicyDistillConfig(LossConfig):
+    """On-policy distillation (GKD, Agarwal et al. 2024; Thinking Machines, Oct 2025; Qwen3's small models): the
+    student samples, the teacher (`distill.teacher`, served by `distill.teacher_workers` engines of its own)
+    scores every sampled token, and each token's advantage is `log pi_teacher(y_t) - log pi_student(y_t)`: the
+    negative per-token reverse KL, with the student's logprob as its engine sampled it (at `rollout.temperature`)
+    and the teacher's at temperature 1. Teacher and student must share a tokenizer (checked at load). The update
+    is the policy loss with these advantages (ratio, clipping and truncated IS as for GRPO)."""
+
+    name: Literal["on_policy_distill"] = "on_policy_distill"
+    """Selects this algorithm: `algorithm.name: on_policy_distill`."""
+    uses_teacher: ClassVar[bool] = True
+    reward_weight: float = Field(0.0, ge=0.0)
+    """Weight of the task reward's GRPO advantage added to every token's (0: the teacher alone)."""
+    scale_by_std: bool = True
+    """The reward term's GRPO: divide by the group's std."""
+    eps: float = Field(1e-6, gt=0.0)
+    """The reward term's GRPO: added to the std in the denominator."""
+
+
 class ObjectiveConfig(Section):
     """Base of the algorithms that are not policy gradients: no advantages, no ratio clipping."""
 
     uses_critic: ClassVar[bool] = False
     uses_step_rewards: ClassVar[bool] = False
+    uses_teacher: ClassVar[bool] = False
     mask_truncated: ClassVar[bool] = False
     tis_cap: ClassVar[float | None] = None
     rejection: ClassVar[str] = "none"
@@ -244,9 +266,9 @@ class RewardModelConfig(ObjectiveConfig):
 
 
 ALGORITHMS = (GRPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, ReinforcePPBaselineConfig, GDPOConfig,
-              GRPOProcessConfig, PPOConfig, SFTConfig, DPOConfig, PRMConfig, RewardModelConfig)
+              GRPOProcessConfig, PPOConfig, OnPolicyDistillConfig, SFTConfig, DPOConfig, PRMConfig, RewardModelConfig)
 AlgorithmConfig = Annotated[GRPOConfig | DrGRPOConfig | RLOOConfig | ReinforcePPConfig | ReinforcePPBaselineConfig
-                            | GDPOConfig | GRPOProcessConfig | PPOConfig | SFTConfig | DPOConfig | PRMConfig
-                            | RewardModelConfig, Field(discriminator="name")]
+                            | GDPOConfig | GRPOProcessConfig | PPOConfig | OnPolicyDistillConfig | SFTConfig
+                            | DPOConfig | PRMConfig | RewardModelConfig, Field(discriminator="name")]
 """Every algorithm section (:data:`ALGORITHMS`, spelled out so a type checker sees the union), told apart by
 ``name``."""

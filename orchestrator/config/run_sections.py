@@ -413,11 +413,15 @@ class SFTSection(Section):
 
 
 class DistillSection(Section):
-    """`fleetrl distill`: a teacher generates `rollout.group_size` samples for each of `prompts` training prompts
-    on the rollout actors, the task's verifier keeps the correct ones (rejection sampling), and the student
-    (`model.path`) is fine-tuned on them with the `sft` settings."""
+    """The teacher of both distillations. Offline, `fleetrl distill`: the teacher generates `rollout.group_size`
+    samples for each of `prompts` training prompts on the rollout actors, the task's verifier keeps the correct
+    ones (rejection sampling), and the student (`model.path`) is fine-tuned on them with the `sft` settings.
+    On-policy, `algorithm.name: on_policy_distill`: the student samples and `teacher_workers` engines of the
+    teacher score its tokens."""
 
     teacher: str | None = None
     """The teacher: a local HF model directory (any size the engines can hold)."""
     prompts: int = Field(256, ge=1, le=10**7)
-    """Training prompts the teacher answers."""
+    """Training prompts the teacher answers (offline distillation)."""
+    teacher_workers: int = Field(1, ge=1, le=1024)
+    """On-policy distillation: the teacher's vLLM engines (`teacher-i` actors, `rollout`'s engine settings)."""

@@ -40,6 +40,7 @@ class Roles:
     prm: bool = False  # the process reward model of prm.path (`prm-i`)
     orm: bool = False  # the outcome reward model of prm.orm_path (`orm-i`)
     feedback: bool = False  # the feedback model's engines of cai.feedback_model (`judge-i`)
+    teacher: bool = False  # the teacher's engines of distill.teacher (`teacher-i`, on-policy distillation)
     controller: bool = False  # the run's controller (`fleetrl scale`, `stop`, dashboard metrics)
 
     def names(self) -> list[str]:
@@ -53,13 +54,14 @@ def training_roles(cfg: FleetConfig, generates: bool, engine_evals: bool = True)
     return Roles(learner=True, critic=cfg.algorithm.uses_critic, rollout=engines, reward=generates,
                  env=engines and bool(cfg.env.name and cfg.env.num_workers),
                  prm=generates and bool(cfg.prm.path) and cfg.uses_process_rewards,
-                 feedback=generates and bool(cfg.judge_spec) and cfg.cai.judge == "model", controller=True)
+                 feedback=generates and bool(cfg.judge_spec) and cfg.cai.judge == "model",
+                 teacher=generates and cfg.algorithm.uses_teacher, controller=True)
 
 
 class Fleet:
     """The actor groups of one command (None where a role is not used): ``learner``, ``critic``
     (:class:`~orchestrator.rl.pools.LearnerGroup`), ``rollouts``, ``rewards``, ``envs``, ``prm``, ``orm``,
-    ``feedback`` (pools), ``controller`` and, with a learner and engines, ``weight_sync``."""
+    ``feedback``, ``teacher`` (pools), ``controller`` and, with a learner and engines, ``weight_sync``."""
 
     def __init__(self, cfg: FleetConfig, roles: Roles, judge=None):
         """Create every group of ``roles`` without waiting (see :meth:`start`). ``judge``: the ``judge`` reward
@@ -77,6 +79,7 @@ class Fleet:
                                     current_weights=self.learner.weight_buckets if self.learner else None) \
             if roles.rollout else None
         self.feedback = _feedback_engines(cfg) if roles.feedback else None
+        self.teacher = _teacher_engines(cfg) if roles.teacher else None
         self.rewards = RewardPool(cfg, judge=(judge, self.feedback or self.rollouts) if judge else None) \
             if roles.reward else None
         self.prm = PRMPool(cfg, cfg.prm.path) if roles.prm else None
@@ -228,7 +231,8 @@ class Fleet:
     def groups(self) -> dict[str, object]:
         """The groups started, by role."""
         named = {"learner": self.learner, "critic": self.critic, "env": self.envs, "rollout": self.rollouts,
-                 "feedback": self.feedback, "reward": self.rewards, "prm": self.prm, "orm": self.orm}
+                 "feedback": self.feedback, "teacher": self.teacher, "reward": self.rewards, "prm": self.prm,
+                 "orm": self.orm}
         return {k: g for k, g in named.items() if g is not None}
 
     def wait(self) -> None:
@@ -260,7 +264,7 @@ class Fleet:
                              else f"critic {ranks}")
         if self.rewards and self.rewards.model_pool:
             parts.append(f"{len(self.rewards.model_pool.workers)} reward-model")
-        for role in ("env", "prm", "orm", "feedback"):
+        for role in ("env", "prm", "orm", "feedback", "teacher"):
             g = self.groups().get(role)
             if g:
                 parts.append(f"{len(g.workers)} {'judge' if role == 'feedback' else role}")
@@ -323,6 +327,8 @@ def resource_demand(cfg: FleetConfig, roles: Roles) -> dict[str, dict[str, float
         add("critic", lc.num_ranks, lc.num_gpus, lc.resources)
     if roles.rollout:
         add("rollout", r.num_workers, r.num_gpus * r.tensor_parallel_size, r.resources)
+    if roles.teacher:
+        add("teacher", cfg.distill.teacher_workers, r.num_gpus * r.tensor_parallel_size, r.resources)
     if roles.reward:
         add("reward", cfg.reward.num_workers, 0.0, cfg.reward.resources)
     return out
@@ -367,7 +373,7 @@ def check_this_machine(cfg: FleetConfig, roles: Roles) -> None:
 
 
 _ATTR = {"learner": "learner", "critic": "critic", "env": "envs", "rollout": "rollouts", "feedback": "feedback",
-         "reward": "rewards", "prm": "prm", "orm": "orm", "controller": "controller"}
+         "teacher": "teacher", "reward": "rewards", "prm": "prm", "orm": "orm", "controller": "controller"}
 """Role -> the Fleet attribute holding its group."""
 
 
@@ -390,6 +396,8 @@ def fit_keys(cfg: FleetConfig) -> dict[str, object]:
         "prm": (c["prm"], c["reward"]["max_restarts"], c["trainer"]["torch_threads"]),
         "orm": (c["prm"], c["reward"]["max_restarts"], c["trainer"]["torch_threads"]),
         "feedback": (c["cai"], pool, c["data"]["max_prompt_tokens"], r["max_new_tokens"]),
+        "teacher": (c["distill"]["teacher"], c["distill"]["teacher_workers"], pool,
+                    replace(engine_spec(cfg, max_model_len(cfg)), model_path="", lora=None, partial_push=False)),
     }
 
 
@@ -411,6 +419,28 @@ def model_shape(path: str) -> tuple:
         arch.pop(k, None)
     vocab = json.dumps([sorted(tok.get_vocab().items()), tok.all_special_tokens, tok.chat_template])
     return json.dumps(arch, sort_keys=True), hashlib.sha256(vocab.encode()).hexdigest()
+
+
+def teacher_config(cfg: FleetConfig) -> FleetConfig:
+    """The config the `teacher-i` engines are built from: the rollout engines' settings serving ``distill.teacher``
+    (no LoRA adapter: the teacher is a whole model), ``distill.teacher_workers`` of them, with one more token of
+    context than the student's (prompt logprobs of a sequence are read with one token generated after it)."""
+    tcfg = cfg.model_copy(deep=True)
+    tcfg.model.path = str(cfg.distill.teacher)
+    tcfg.learner.lora.rank = 0
+    tcfg.rollout.num_workers = cfg.distill.teacher_workers
+    tcfg.data.max_prompt_tokens += 1
+    tcfg.env.max_total_tokens += 1
+    return tcfg
+
+
+def _teacher_engines(cfg: FleetConfig):
+    """The `teacher-i` engines (on-policy distillation): see :func:`teacher_config`."""
+    from orchestrator.rl.launch import max_model_len
+    from orchestrator.rl.pools import TeacherPool
+
+    tcfg = teacher_config(cfg)
+    return TeacherPool(tcfg, max_model_len=max_model_len(tcfg))
 
 
 def _feedback_engines(cfg: FleetConfig):

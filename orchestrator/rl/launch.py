@@ -85,7 +85,8 @@ def _cpus_needed(cfg: FleetConfig) -> float:
             + learner_groups * cfg.learner.num_ranks * cfg.learner.num_cpus
             + (rm.num_workers * rm.num_cpus if rm.path else 0)
             + (2 * cfg.prm.num_workers * cfg.prm.num_cpus if cfg.prm.path or cfg.prm.orm_path else 0)
-            + (cfg.rollout.num_cpus if cfg.judge_spec and cfg.cai.judge == "model" else 0))
+            + (cfg.rollout.num_cpus if cfg.judge_spec and cfg.cai.judge == "model" else 0)
+            + (cfg.distill.teacher_workers * cfg.rollout.num_cpus if cfg.algorithm.uses_teacher else 0))
 
 
 KIND_ARGS = {"arith": {"kind": "arith"}, "think": {"kind": "think"},

@@ -54,6 +54,8 @@ class PolicyLoop(Loop):
         """The task's data read and checked, a loop that scores samples needs a reward, and every user reward
         function called once on a sample of the task (:func:`check_rewards`)."""
         check_rewards(cfg)
+        if cfg.algorithm.uses_teacher:
+            check_same_tokenizer(cfg)
         return cfg
 
     @classmethod
@@ -84,9 +86,13 @@ class PolicyLoop(Loop):
         collected = self.rollout_batch(step, timer)
         scored = collected.scored
         staleness = self._check_staleness(scored)
-        if self.cfg.run.dump_rollouts:
-            self._dump(step, scored)
         batch = self._to_batch(scored)
+        teacher = None
+        if self.run.fleet.teacher is not None:
+            with timer("teacher"):
+                teacher = self.teacher_logprobs(scored, batch)
+        if self.cfg.run.dump_rollouts:
+            self._dump(step, scored, teacher)
         with timer("logprobs"):
             if separate_logprob_pass(self.cfg):
                 batch = self.run.fleet.learner.compute_logprobs(batch)
@@ -96,7 +102,7 @@ class PolicyLoop(Loop):
                 batch.old_values = self.run.fleet.critic.compute_values(batch)
         with timer("advantages"):
             steps = self.step_rewards(scored) if self.cfg.uses_process_rewards else None
-            batch.advantages, batch.returns = self.advantages(scored, batch, steps)
+            batch.advantages, batch.returns = self.advantages(scored, batch, steps, teacher)
         actor_batch, off_policy = self._reject(batch)
         with timer("learn"):  # async: finished samples are taken and scored meanwhile
             update = self.run.learn(actor_batch, critic_batch=batch,
@@ -110,6 +116,8 @@ class PolicyLoop(Loop):
         out = {**self._rollout_metrics(scored, batch, collected.reward_errors, train_metrics, staleness),
                **learner_metrics(train_metrics), **off_policy, **sync_metrics, **collected.info,
                **self._timing(timer, train_metrics, queued)}
+        if teacher is not None:
+            out.update(distill_metrics(teacher, batch))
         if steps is not None:
             present = steps[1] >= 0
             out["process/step_reward_mean"] = float(steps[0][present].mean())
@@ -183,7 +191,7 @@ class PolicyLoop(Loop):
         out["rollout/queue_depth"] = queued
         return out
 
-    def _dump(self, step: int, scored: list[ScoredSample]) -> None:
+    def _dump(self, step: int, scored: list[ScoredSample], teacher: torch.Tensor | None = None) -> None:
         out = self.run.run_dir / "rollouts"
         out.mkdir(exist_ok=True)
         rows = [{"uid": x.sample.prompt_uid, "j": x.sample.sample_index, "worker": x.sample.worker,
@@ -192,7 +200,10 @@ class PolicyLoop(Loop):
                  "completion_ids": x.sample.completion_ids, "finish_reason": x.sample.finish_reason,
                  "token_versions": x.sample.token_versions,
                  "reward": x.reward, "components": x.components, "loss_mask": x.sample.loss_mask,
-                 "episode": dataclasses.asdict(x.sample.episode) if x.sample.episode else None} for x in scored]
+                 "episode": dataclasses.asdict(x.sample.episode) if x.sample.episode else None,
+                 **({} if teacher is None else
+                    {"teacher_logprobs": teacher[i, : len(x.sample.completion_ids)].tolist()})}
+                for i, x in enumerate(scored)]
         (out / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     def step_rewards(self, scored: list[ScoredSample]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,20 +246,33 @@ class PolicyLoop(Loop):
             out += values
         return out
 
-    def advantages(self, scored: list[ScoredSample], batch: TrainBatch, steps=None):
-        """Per-token (advantages, returns) from the configured algorithm (:mod:`learner.algorithms`)."""
+    def teacher_logprobs(self, scored: list[ScoredSample], batch: TrainBatch) -> torch.Tensor:
+        """``[B, T]``: the teacher engines' logprob of every sampled token, in the batch's response layout (0 where
+        the response mask is)."""
+        per_sample = self.run.fleet.teacher.token_logprobs([x.sample for x in scored])
+        out = torch.zeros_like(batch.rollout_logprobs)
+        for i, values in enumerate(per_sample):
+            out[i, : len(values)] = torch.tensor(values, dtype=out.dtype)
+        return out * batch.response_mask
+
+    def advantages(self, scored: list[ScoredSample], batch: TrainBatch, steps=None,
+                   teacher: torch.Tensor | None = None):
+        """Per-token (advantages, returns) from the configured algorithm (:mod:`learner.algorithms`); ``teacher``:
+        the teacher's logprobs of the sampled tokens (on-policy distillation)."""
         turns = [(x.sample.episode.turn_ends, x.sample.episode.turn_rewards) for x in scored] \
             if self.cfg.env.name else None
         inputs = advantage_inputs([s.reward for s in scored], [s.components for s in scored],
                                   [s.sample.prompt_uid for s in scored], batch.response_mask, values=batch.old_values,
                                   old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs, steps=steps,
                                   turns=turns)
+        if teacher is not None:
+            inputs = dataclasses.replace(inputs, rollout_logprobs=batch.rollout_logprobs, teacher_logprobs=teacher)
         return assemble_advantages(self.cfg.algorithm, inputs)
 
     def _pool_metrics(self) -> dict:
         """Each generating pool's size and its replacements (``faults/*``)."""
         f, out = self.run.fleet, {}
-        for role, pool in (("rollout", f.rollouts), ("reward", f.rewards), ("env", f.envs)):
+        for role, pool in (("rollout", f.rollouts), ("reward", f.rewards), ("env", f.envs), ("teacher", f.teacher)):
             if pool is not None:
                 out[f"{role}/workers"] = len(pool.workers)
                 out[f"faults/{role}_restarts"] = pool.restarts
@@ -332,6 +356,34 @@ def check_rewards(cfg: FleetConfig) -> None:
             preflight_reward_function(f.name, f.params, sample)
         except ValueError as e:
             raise ConfigError(f"reward.functions[{r.functions.index(f)}]: {e}") from None
+
+
+def distill_metrics(teacher: torch.Tensor, batch: TrainBatch) -> dict:
+    """On-policy distillation: ``distill/reverse_kl``, the mean over trained tokens of ``log pi_student -
+    log pi_teacher`` (the per-token reverse KL estimate; 0 when the student is the teacher), its largest token and
+    the teacher's mean logprob."""
+    mask = batch.response_mask.bool()
+    gap = (batch.rollout_logprobs - teacher)[mask]
+    return {"distill/reverse_kl": gap.mean().item() if gap.numel() else 0.0,
+            "distill/reverse_kl_max": gap.abs().max().item() if gap.numel() else 0.0,
+            "distill/teacher_logprob_mean": teacher[mask].mean().item() if gap.numel() else 0.0}
+
+
+def check_same_tokenizer(cfg: FleetConfig) -> None:
+    """On-policy distillation scores the student's token ids with the teacher: ``distill.teacher`` must be a model
+    directory whose tokenizer is the student's (vocabulary and special tokens), a ConfigError otherwise (the
+    embedded student's tokenizer is known before it is built)."""
+    from orchestrator.config import ConfigError
+    from orchestrator.recipes.distill import check_teacher
+    from orchestrator.rl.launch import load_tokenizer
+
+    teacher = check_teacher(cfg)
+    student_tok, teacher_tok = load_tokenizer(cfg.model.path), load_tokenizer(str(teacher))
+    if student_tok.get_vocab() != teacher_tok.get_vocab() or \
+            student_tok.all_special_tokens != teacher_tok.all_special_tokens:
+        raise ConfigError(f"distill.teacher: {teacher}'s tokenizer ({len(teacher_tok)} tokens) is not model.path's "
+                          f"({len(student_tok)} tokens): on-policy distillation scores the student's token ids with "
+                          "the teacher, so both need the same tokenizer (offline `fleetrl distill` does not)")
 
 
 def samples_to_batch(samples: list, pad_id: int, mask_truncated: bool = False) -> TrainBatch:

@@ -211,6 +211,13 @@ class RolloutPool(ActorPool):
                             _chunks(prompts, len(self.workers)))
         return [x for out in outs for x in out]
 
+    def token_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """Each sample's completion tokens scored by this pool's model (:meth:`RolloutWorker.token_logprobs`),
+        spread over the engines in order."""
+        parts = _chunks([(s.prompt_ids, s.completion_ids) for s in samples], len(self.workers))
+        outs = self.fan_out(lambda w, part: w.token_logprobs.remote(part), parts)
+        return [x for out in outs for x in out]
+
     def probe(self, prompts: list[Prompt], max_new_tokens: int, seed: int) -> list[Sample]:
         """Every engine samples each prompt once with the same seed (the weight push's check), at the temperature
         the learner scores at (:func:`learner_temperature`), so the two logprobs compare."""
@@ -243,6 +250,13 @@ class JudgePool(RolloutPool):
     pushed to (Constitutional AI's preference labels, :mod:`orchestrator.recipes.cai`)."""
 
     role = "judge"
+
+
+class TeacherPool(RolloutPool):
+    """The `teacher-i` engines of ``distill.teacher`` (on-policy distillation): rollout engines of another model,
+    never pushed to, that score the student's samples token by token."""
+
+    role = "teacher"
 
 
 class EnvPool(ActorPool):

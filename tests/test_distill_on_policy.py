@@ -1,0 +1,88 @@
+"""On-policy distillation (`algorithm.name: on_policy_distill`) on the real stack: `teacher-i` vLLM engines score the
+student's sampled tokens, each token's advantage is the teacher's logprob minus the student's (learner/algorithms.py).
+Unit checks of the advantage are in test_algorithms.py, the tokenizer refusal in test_config.py."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tests.conftest import shared_ray_env, subprocess_env
+from tests.test_e2e import ROOT
+from tests.test_stream import _logprobs, _perturbed_copy
+
+DRIVER = textwrap.dedent("""
+    import json, os, sys, threading, time
+    from pathlib import Path
+    import ray
+    from orchestrator.config import load_config
+    from orchestrator.rl.driver import run_training
+    from orchestrator.rl.fleet import Fleet, Roles
+
+    out, student, teacher = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    args = [f"model.path={student}", "algorithm.name=on_policy_distill", "rollout.num_workers=1",
+            "learner.num_ranks=1", "learner.zero_stage=0", "learner.lr=1e-3", "trainer.eval_every=0",
+            "run.dump_rollouts=true", "data.prompts_per_step=8"]
+    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)  # the session's head (tests/conftest.py)
+
+    def killer(run_dir):
+        metrics = run_dir / "metrics.jsonl"
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < 1:
+            time.sleep(0.02)
+        ray.kill(ray.get_actor("teacher-0"), no_restart=True)  # between two steps' teacher calls
+
+    fleet = Fleet(load_config(None, []), Roles())  # both runs on one fleet (as tests/fleet_server.py)
+    run_training(load_config(None, args + [f"run.dir={out / 'same'}", f"distill.teacher={student}",
+                                           "trainer.total_steps=2"]), fleet=fleet)
+    threading.Thread(target=killer, args=(out / "other",), daemon=True).start()
+    run_training(load_config(None, args + [f"run.dir={out / 'other'}", f"distill.teacher={teacher}",
+                                           "trainer.total_steps=3"]), fleet=fleet)
+    fleet.stop()
+    print("RESULT done", flush=True)
+""")
+
+
+def _rows(run_dir) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "reward/mean" in r]
+
+
+@pytest.mark.e2e
+def test_on_policy_distillation_scores_every_sampled_token_with_the_teachers_engines(tmp_path, embedded_model):
+    """Two runs on one fleet. The teacher is the student: every advantage is exactly 0 (both logprobs come from
+    vLLM in fp32, which gives a prompt token the logprob it gave the sampled token) and the policy does not move
+    (the saved final weights equal the start's, bit for bit). The teacher is another policy (the student with
+    noise): its logprobs of the dumped samples equal transformers' on the same ids (< 1e-4), the reverse KL is
+    positive, and `teacher-0`, killed after the first step, is replaced and the run finishes."""
+    from safetensors.torch import load_file
+
+    teacher = _perturbed_copy(embedded_model, tmp_path / "teacher")
+    env = subprocess_env(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", **shared_ray_env())
+    r = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path), str(embedded_model), str(teacher)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "RESULT done" in r.stdout, (r.stdout + r.stderr)[-6000:]
+
+    same = _rows(tmp_path / "same")
+    assert len(same) == 2
+    for row in same:
+        assert row["distill/reverse_kl"] == 0.0 and row["distill/reverse_kl_max"] == 0.0, row
+        assert row["time/teacher_s"] > 0
+    start, final = load_file(embedded_model / "model.safetensors"), \
+        load_file(tmp_path / "same" / "final" / "model.safetensors")
+    assert set(final) <= set(start) and all(final[k].equal(start[k]) for k in final)
+
+    other = _rows(tmp_path / "other")
+    assert [x["step"] for x in other] == [0, 1, 2]
+    assert all(x["distill/reverse_kl"] > 0 for x in other)
+    assert other[0]["faults/teacher_restarts"] == 0 and other[-1]["faults/teacher_restarts"] == 1
+    worst, n = 0.0, 0
+    for f in sorted((tmp_path / "other" / "rollouts").iterdir()):
+        for s in map(json.loads, f.read_text().splitlines()):
+            expected = _logprobs(teacher, s["prompt_ids"], s["completion_ids"])
+            worst = max(worst, float(torch.tensor(expected).sub(torch.tensor(s["teacher_logprobs"])).abs().max()))
+            n += len(expected)
+    assert n > 0 and worst < 1e-4, worst
+    print(f"teacher logprobs vs transformers: max |diff| {worst:.2e} over {n} tokens")
