@@ -92,8 +92,14 @@ def test_a_fleet_keeps_for_the_next_run_only_the_actors_that_fit_it():
         return {role for role in base if other[role] != base[role]}
 
     assert changed("algorithm={}", "algorithm.name=sft", "learner.lr=0.1", "data.seed=3") == set()
-    assert changed("rollout.kv_cache_gib=0.5") == {"rollout", "teacher"}  # the teacher's engines have its settings
-    assert changed("distill.teacher=runs/t/final") == changed("distill.teacher_workers=2") == {"teacher"}
+    assert changed("rollout.kv_cache_gib=0.5") == {"rollout"}
+    distill = fit_keys(load_config(None, ["algorithm.name=on_policy_distill", "distill.teacher=runs/t/final"]))
+    for other in (["distill.teacher=runs/u/final"], ["distill.teacher_workers=2"], ["rollout.kv_cache_gib=0.5"]):
+        keys = fit_keys(load_config(None, ["algorithm.name=on_policy_distill", "distill.teacher=runs/t/final", *other]))
+        assert keys["teacher"] != distill["teacher"]  # another teacher, or other engines: new teacher engines
+    keys = fit_keys(load_config(None, ["algorithm.name=on_policy_distill", "distill.teacher=runs/t/final",
+                                       "learner.lr=0.1", "rollout.num_workers=1"]))
+    assert keys["teacher"] == distill["teacher"]
     assert changed("learner.num_ranks=1") == {"learner", "critic"}
     assert changed("reward.functions=[{name: math}, {name: format}]") == {"reward"}
     assert changed("model.path=.fleetrl/models/calc-base") >= {"rollout"}  # another model shape (vocabulary)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from orchestrator.rl.collect import check_reward_errors, reward_calls
 from rewards.tasks import Prompt
 from workers.records import Collected, Sample, ScoredSample
 
@@ -224,7 +225,6 @@ class AsyncRollout:
 
     def take(self, step: int) -> Collected:
         """The next batch: admit, poll and score until ``prompts_per_step`` groups are ready for the learner."""
-        from orchestrator.rl.collect import check_reward_errors
 
         t0 = progress = time.perf_counter()
         while True:
@@ -338,7 +338,7 @@ class AsyncRollout:
             self.ledger.scored(g, scored[k * G: (k + 1) * G])
         self.errors += errors
         self.judge_errors += judge_errors
-        self.calls += len(samples) * max(1, len(self.cfg.reward.functions) - bool(self.cfg.judge_spec))
+        self.calls += reward_calls(self.cfg, len(samples))
         if errors and self.first_error is None:
             self.first_error = rewards.first_error
 

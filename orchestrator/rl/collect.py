@@ -39,7 +39,7 @@ def collect(run: Run, step: int, timer: PhaseTimer) -> Collected:
             informative = not cfg.rollout.dynamic_sampling or len({x.reward for x in group}) > 1
             (kept if informative else spare).append(group)
     groups = (kept + spare)[:need]
-    calls = rounds * need * G * max(1, len(cfg.reward.functions) - bool(cfg.judge_spec))
+    calls = reward_calls(cfg, rounds * need * G)
     timed_out = fleet.rewards.timeouts - timeouts
     info = {"sampling/rounds": rounds, "sampling/informative_groups": len(kept),
             "reward/error_frac": (errors + timed_out) / calls, "reward/timeouts": timed_out,
@@ -49,6 +49,12 @@ def collect(run: Run, step: int, timer: PhaseTimer) -> Collected:
     out = Collected([x for grp in groups for x in grp], errors, info, fleet.rewards.first_error)
     check_reward_errors(run, step, out)
     return out
+
+
+def reward_calls(cfg, samples: int) -> int:
+    """The reward-function calls that scoring ``samples`` samples makes (the judge is counted apart; a sample is
+    scored at least once)."""
+    return samples * max(1, len(cfg.reward.functions) - bool(cfg.judge_spec))
 
 
 def check_reward_errors(run: Run, step: int, batch: Collected) -> None:

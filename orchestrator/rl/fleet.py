@@ -366,10 +366,12 @@ def check_this_machine(cfg: FleetConfig, roles: Roles) -> None:
                           "is a process of its own; use at most that many (or a cluster, run.ray_address)")
     r = cfg.rollout
     if roles.rollout and not r.num_gpus:
-        need, free = r.kv_cache_gib * r.num_workers, psutil.virtual_memory().available / 2**30
+        engines = r.num_workers + (cfg.distill.teacher_workers if roles.teacher else 0)
+        need, free = r.kv_cache_gib * engines, psutil.virtual_memory().available / 2**30
         if need > free:
-            raise ConfigError(f"rollout.kv_cache_gib={r.kv_cache_gib} x rollout.num_workers={r.num_workers} = "
-                              f"{need:g} GiB of KV cache; this machine has {free:.1f} GiB free")
+            teachers = f" + distill.teacher_workers={cfg.distill.teacher_workers}" if roles.teacher else ""
+            raise ConfigError(f"rollout.kv_cache_gib={r.kv_cache_gib} x (rollout.num_workers={r.num_workers}"
+                              f"{teachers}) = {need:g} GiB of KV cache; this machine has {free:.1f} GiB free")
 
 
 _ATTR = {"learner": "learner", "critic": "critic", "env": "envs", "rollout": "rollouts", "feedback": "feedback",
@@ -383,22 +385,31 @@ def fit_keys(cfg: FleetConfig) -> dict[str, object]:
     from dataclasses import replace
 
     from orchestrator.rl.launch import max_model_len
-    from orchestrator.rl.specs import engine_spec, engine_threads, placement_key
+    from orchestrator.rl.specs import engine_spec, placement_key
 
     c = cfg.model_dump(mode="json")
     r = c["rollout"]
-    pool = {k: r[k] for k in ("num_workers", "num_cpus", "num_gpus", "resources", "max_restarts")}
-    pool["threads"] = engine_threads(cfg)
+    pool = engine_pool_key(cfg)
     engine = (pool, replace(engine_spec(cfg, max_model_len(cfg)), model_path=""), model_shape(cfg.model.path))
+    teacher = teacher_config(cfg) if cfg.algorithm.uses_teacher else None
     return {
         "learner": placement_key(cfg), "critic": placement_key(cfg), "rollout": engine,
         "reward": (c["reward"], c["cai"]), "env": (c["env"], r["max_restarts"], c["data"]["system_prompt"]),
         "prm": (c["prm"], c["reward"]["max_restarts"], c["trainer"]["torch_threads"]),
         "orm": (c["prm"], c["reward"]["max_restarts"], c["trainer"]["torch_threads"]),
         "feedback": (c["cai"], pool, c["data"]["max_prompt_tokens"], r["max_new_tokens"]),
-        "teacher": (c["distill"]["teacher"], c["distill"]["teacher_workers"], pool,
-                    replace(engine_spec(cfg, max_model_len(cfg)), model_path="", lora=None, partial_push=False)),
+        # the teacher's engines: its directory, never pushed to, so another teacher needs new ones
+        "teacher": teacher and (engine_pool_key(teacher), engine_spec(teacher, max_model_len(teacher))),
     }
+
+
+def engine_pool_key(cfg: FleetConfig) -> dict:
+    """What a pool of ``cfg``'s rollout engines is placed with: count, resources, threads."""
+    from orchestrator.rl.specs import engine_threads
+
+    r = cfg.rollout
+    return {"num_workers": r.num_workers, "num_cpus": r.num_cpus, "num_gpus": r.num_gpus, "resources": r.resources,
+            "max_restarts": r.max_restarts, "threads": engine_threads(cfg)}
 
 
 def model_shape(path: str) -> tuple:
