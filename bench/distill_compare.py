@@ -16,6 +16,7 @@ held-out prompts); their replies are kept in ``runs/bench/distill_compare-*.json
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 from bench.common import PY, RUNS_DIR, parse_args, print_table, run_fleetrl, run_logged, save_result
@@ -42,15 +43,20 @@ def curve_of(rows: list[dict]) -> list[tuple[int, float, float]]:
     return out
 
 
-def outside(name: str, model: str, n: int) -> dict:
+def outside(label: str, model: str, n: int) -> dict:
+    """:mod:`bench.outside_eval` of ``model``, its replies written to ``runs/bench/distill_compare<label>.jsonl``."""
     from bench.outside_eval import main as outside_eval
 
     return outside_eval(["-c", CONFIG, "--model", model, "--n", str(n),
-                         "--out", str(RUNS_DIR / f"distill_compare-{name}.jsonl")])
+                         "--out", str(RUNS_DIR / f"distill_compare{label}.jsonl")])
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__, argv, extra=_extra)
+    RUNS_DIR.mkdir(parents=True, exist_ok=True)
+    tag = "-quick" if args.quick else ""
+    for old in RUNS_DIR.glob(f"distill_compare{tag}-*"):  # a run dir left by an earlier attempt would be reused
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
     budget = 60 if args.quick else args.minutes * 60
     n_out = 20 if args.quick else 200
     common = [f"trainer.time_budget_s={budget:.0f}", "trainer.total_steps=1000",
@@ -59,23 +65,23 @@ def main(argv: list[str] | None = None) -> None:
         "on_policy_distill": ("configs/smollm2_on_policy_distill.yaml", [f"distill.teacher={args.teacher}"]),
         "grpo": (CONFIG, []),
     }
-    runs = {"base": {"outside": outside("base", BASE, n_out)},
-            "teacher": {"outside": outside("teacher", args.teacher, n_out)}}
+    runs = {"base": {"outside": outside(f"{tag}-base", BASE, n_out)},
+            "teacher": {"outside": outside(f"{tag}-teacher", args.teacher, n_out)}}
     for name, (config, extra) in paths.items():
-        run = run_fleetrl(f"distill_compare-{name}", config, [*common, *extra], timeout_s=budget + 1200)
+        run = run_fleetrl(f"distill_compare{tag}-{name}", config, [*common, *extra], timeout_s=budget + 1200)
         runs[name] = {"curve": curve_of(run["rows"]), "wall_s": run["wall_s"], "command": run["command"],
                       "steps": sum("time/step_s" in r for r in run["rows"]),
-                      "outside": outside(name, f"{run['run_dir']}/final", n_out)}
-    run_dir = RUNS_DIR / "distill_compare-offline"
+                      "outside": outside(f"{tag}-{name}", f"{run['run_dir']}/final", n_out)}
+    run_dir = RUNS_DIR / f"distill_compare{tag}-offline"
     cmd = [PY, "-m", "orchestrator", "distill", "-c", CONFIG, f"distill.teacher={args.teacher}",
            f"distill.prompts={16 if args.quick else args.distill_prompts}", *common, f"run.dir={run_dir}"]
     t0 = time.perf_counter()
-    wall = run_logged(cmd, RUNS_DIR / "distill_compare-offline.log", budget + 1800)
+    wall = run_logged(cmd, RUNS_DIR / f"distill_compare{tag}-offline.log", budget + 1800)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     report = json.loads((run_dir / "distill.json").read_text())
     runs["offline_distill"] = {"curve": curve_of(rows), "wall_s": wall, "command": " ".join(cmd[1:]),
                                "steps": sum("time/step_s" in r for r in rows), "teacher_data": report,
-                               "outside": outside("offline_distill", f"{run_dir}/final", n_out),
+                               "outside": outside(f"{tag}-offline_distill", f"{run_dir}/final", n_out),
                                "generate_s": round(time.perf_counter() - t0 - sum(
                                    r.get("time/step_s", 0.0) + r.get("time/eval_s", 0.0) for r in rows), 1)}
     table = [[name, r.get("steps", ""), f"{r['outside']['last_int']['accuracy']:.3f} +- "

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from orchestrator.config import EMBEDDED_MODEL_PATH, ConfigError, FleetConfig, GRPOConfig, RLOOConfig, load_config
+from orchestrator.config import ConfigError, FleetConfig, GRPOConfig, RLOOConfig, load_config
 from tests.conftest import cli
 
 
@@ -168,8 +168,8 @@ def test_cli_on_policy_distill_with_another_tokenizer_exits_2_before_any_actor(t
     assert "ray" not in r.stdout.lower() and not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="distill.teacher: give"):
         check_same_tokenizer(load_config(None, ["algorithm.name=on_policy_distill"]))
-    check_same_tokenizer(load_config(None, ["algorithm.name=on_policy_distill",
-                                            f"distill.teacher={EMBEDDED_MODEL_PATH}"]))
+    check_same_tokenizer(load_config(None, ["algorithm.name=on_policy_distill", f"model.path={smollm2_tokenizer_dir}",
+                                            f"distill.teacher={smollm2_tokenizer_dir}"]))
 
 
 @pytest.mark.parametrize("override", ["rollout.temperature=0.7", "rollout.top_p=0.9"])

@@ -29,17 +29,23 @@ DRIVER = textwrap.dedent("""
     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)  # the session's head (tests/conftest.py)
 
     def killer(run_dir):
-        metrics = run_dir / "metrics.jsonl"
-        while not metrics.exists() or len(metrics.read_text().splitlines()) < 1:
-            time.sleep(0.02)
-        ray.kill(ray.get_actor("teacher-0"), no_restart=True)  # between two steps' teacher calls
+        try:
+            metrics = run_dir / "metrics.jsonl"
+            while not metrics.exists() or len(metrics.read_text().splitlines()) < 1:
+                time.sleep(0.02)
+            ray.kill(fleet.teacher.workers[0], no_restart=True)  # after the first step
+            print("KILLED", flush=True)
+        except Exception as e:
+            print("KILL FAILED", repr(e), flush=True)
 
-    fleet = Fleet(load_config(None, []), Roles())  # both runs on one fleet (as tests/fleet_server.py)
+    fleet = Fleet(load_config(None, []), Roles())  # every run on one fleet (as tests/fleet_server.py)
     run_training(load_config(None, args + [f"run.dir={out / 'same'}", f"distill.teacher={student}",
                                            "trainer.total_steps=2"]), fleet=fleet)
-    threading.Thread(target=killer, args=(out / "other",), daemon=True).start()
-    run_training(load_config(None, args + [f"run.dir={out / 'other'}", f"distill.teacher={teacher}",
-                                           "trainer.total_steps=3"]), fleet=fleet)
+    for name, steps in (("other", 2), ("again", 3)):  # the second keeps the first's teacher engines
+        if name == "again":
+            threading.Thread(target=killer, args=(out / name,), daemon=True).start()
+        run_training(load_config(None, args + [f"run.dir={out / name}", f"distill.teacher={teacher}",
+                                               f"trainer.total_steps={steps}"]), fleet=fleet)
     fleet.stop()
     print("RESULT done", flush=True)
 """)
@@ -52,11 +58,12 @@ def _rows(run_dir) -> list[dict]:
 
 @pytest.mark.e2e
 def test_on_policy_distillation_scores_every_sampled_token_with_the_teachers_engines(tmp_path, embedded_model):
-    """Two runs on one fleet. The teacher is the student: every advantage is exactly 0 (both logprobs come from
+    """Three runs on one fleet. The teacher is the student: every advantage is exactly 0 (both logprobs come from
     vLLM in fp32, which gives a prompt token the logprob it gave the sampled token) and the policy does not move
-    (the saved final weights equal the start's, bit for bit). The teacher is another policy (the student with
-    noise): its logprobs of the dumped samples equal transformers' on the same ids (< 1e-4), the reverse KL is
-    positive, and `teacher-0`, killed after the first step, is replaced and the run finishes."""
+    (the saved final weights equal the start's, bit for bit). Then twice another teacher (the student with noise):
+    its logprobs of the dumped samples equal transformers' on the same ids (< 1e-4) and the reverse KL is positive;
+    the third run keeps the second's teacher engines, and `teacher-0`, killed after its first step, is replaced by
+    an engine of the teacher (not of the student: the reverse KL stays positive) and the run finishes."""
     from safetensors.torch import load_file
 
     teacher = _perturbed_copy(embedded_model, tmp_path / "teacher")
@@ -74,12 +81,13 @@ def test_on_policy_distillation_scores_every_sampled_token_with_the_teachers_eng
         load_file(tmp_path / "same" / "final" / "model.safetensors")
     assert set(final) <= set(start) and all(final[k].equal(start[k]) for k in final)
 
-    other = _rows(tmp_path / "other")
-    assert [x["step"] for x in other] == [0, 1, 2]
-    assert all(x["distill/reverse_kl"] > 0 for x in other)
-    assert other[0]["faults/teacher_restarts"] == 0 and other[-1]["faults/teacher_restarts"] == 1
+    other, again = _rows(tmp_path / "other"), _rows(tmp_path / "again")
+    assert [x["step"] for x in other] == [0, 1] and [x["step"] for x in again] == [0, 1, 2]
+    assert "KILLED" in r.stdout
+    assert all(x["distill/reverse_kl"] > 0 for x in other + again)  # the replacement is the teacher, not the student
+    assert again[0]["faults/teacher_restarts"] == 0 and again[-1]["faults/teacher_restarts"] == 1
     worst, n = 0.0, 0
-    for f in sorted((tmp_path / "other" / "rollouts").iterdir()):
+    for f in sorted([*(tmp_path / "other" / "rollouts").iterdir(), *(tmp_path / "again" / "rollouts").iterdir()]):
         for s in map(json.loads, f.read_text().splitlines()):
             expected = _logprobs(teacher, s["prompt_ids"], s["completion_ids"])
             worst = max(worst, float(torch.tensor(expected).sub(torch.tensor(s["teacher_logprobs"])).abs().max()))

@@ -171,7 +171,7 @@ class Fleet:
             self._stop(role)
         for role in kept:
             group = getattr(self, _ATTR[role])
-            group.cfg = cfg
+            group.cfg = GROUP_CONFIG.get(role, lambda c: c)(cfg)  # what a replacement actor is built from
             if hasattr(group, "restarts"):
                 group.restarts, group.recovery_s = 0, 0.0  # the budget is per run
         return kept
@@ -454,15 +454,26 @@ def _teacher_engines(cfg: FleetConfig):
     return TeacherPool(tcfg, max_model_len=max_model_len(tcfg))
 
 
-def _feedback_engines(cfg: FleetConfig):
-    """The `judge-i` engines of ``cai.feedback_model`` (one engine, no system prompt; ``cai.judge: model``)."""
-    from orchestrator.rl.launch import max_model_len
-    from orchestrator.rl.pools import JudgePool
-
+def feedback_config(cfg: FleetConfig) -> FleetConfig:
+    """The config the `judge-i` engines of ``cai.feedback_model`` are built from (one engine, no system prompt, room
+    for the question around a conversation and a full-length response)."""
     judge_cfg = cfg.model_copy(deep=True)
     judge_cfg.model.path = cfg.cai.feedback_model
     judge_cfg.data.system_prompt = None
-    # room for the question around a conversation and a full-length response
     judge_cfg.data.max_prompt_tokens = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens + 256
     judge_cfg.rollout.num_workers = 1
+    return judge_cfg
+
+
+def _feedback_engines(cfg: FleetConfig):
+    """The `judge-i` engines (``cai.judge: model``): see :func:`feedback_config`."""
+    from orchestrator.rl.launch import max_model_len
+    from orchestrator.rl.pools import JudgePool
+
+    judge_cfg = feedback_config(cfg)
     return JudgePool(judge_cfg, max_model_len=max_model_len(judge_cfg))
+
+
+GROUP_CONFIG = {"teacher": teacher_config, "feedback": feedback_config}
+"""The roles whose engines serve another model than the run's: the config their actors (and replacements) are
+built from."""

@@ -87,12 +87,13 @@ class PolicyLoop(Loop):
         scored = collected.scored
         staleness = self._check_staleness(scored)
         batch = self._to_batch(scored)
-        teacher = None
+        teacher, per_sample = None, None
         if self.run.fleet.teacher is not None:
             with timer("teacher"):
-                teacher = self.teacher_logprobs(scored, batch)
+                per_sample = self.run.fleet.teacher.token_logprobs([x.sample for x in scored])
+            teacher = response_layout(per_sample, batch)
         if self.cfg.run.dump_rollouts:
-            self._dump(step, scored, teacher)
+            self._dump(step, scored, per_sample)
         with timer("logprobs"):
             if separate_logprob_pass(self.cfg):
                 batch = self.run.fleet.learner.compute_logprobs(batch)
@@ -176,7 +177,8 @@ class PolicyLoop(Loop):
         """Phase times, throughput, and ``time/overhead_s``: step time not spent generating (engines) or in the
         learner's forward/backward/optimizer. In one_step_off those two overlap, so only the longer counts."""
         out = timer.metrics()
-        learner_s = out.get("time/logprobs_s", 0.0) + max(train_metrics.get("time/actor_compute_s", 0.0),
+        learner_s = out.get("time/logprobs_s", 0.0) + out.get("time/teacher_s", 0.0) + max(
+            train_metrics.get("time/actor_compute_s", 0.0),
                                                           train_metrics.get("time/critic_compute_s", 0.0))
         if self.cfg.rollout.mode == "one_step_off":
             gen = out.get("time/generate_s", 0.0) + out.get("time/generate_overlapped_s", 0.0)
@@ -191,7 +193,7 @@ class PolicyLoop(Loop):
         out["rollout/queue_depth"] = queued
         return out
 
-    def _dump(self, step: int, scored: list[ScoredSample], teacher: torch.Tensor | None = None) -> None:
+    def _dump(self, step: int, scored: list[ScoredSample], teacher: list[list[float]] | None = None) -> None:
         out = self.run.run_dir / "rollouts"
         out.mkdir(exist_ok=True)
         rows = [{"uid": x.sample.prompt_uid, "j": x.sample.sample_index, "worker": x.sample.worker,
@@ -201,8 +203,7 @@ class PolicyLoop(Loop):
                  "token_versions": x.sample.token_versions,
                  "reward": x.reward, "components": x.components, "loss_mask": x.sample.loss_mask,
                  "episode": dataclasses.asdict(x.sample.episode) if x.sample.episode else None,
-                 **({} if teacher is None else
-                    {"teacher_logprobs": teacher[i, : len(x.sample.completion_ids)].tolist()})}
+                 **({} if teacher is None else {"teacher_logprobs": teacher[i]})}
                 for i, x in enumerate(scored)]
         (out / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -245,15 +246,6 @@ class PolicyLoop(Loop):
                 values[-1] += x.reward
             out += values
         return out
-
-    def teacher_logprobs(self, scored: list[ScoredSample], batch: TrainBatch) -> torch.Tensor:
-        """``[B, T]``: the teacher engines' logprob of every sampled token, in the batch's response layout (0 where
-        the response mask is)."""
-        per_sample = self.run.fleet.teacher.token_logprobs([x.sample for x in scored])
-        out = torch.zeros_like(batch.rollout_logprobs)
-        for i, values in enumerate(per_sample):
-            out[i, : len(values)] = torch.tensor(values, dtype=out.dtype)
-        return out * batch.response_mask
 
     def advantages(self, scored: list[ScoredSample], batch: TrainBatch, steps=None,
                    teacher: torch.Tensor | None = None):
@@ -356,6 +348,15 @@ def check_rewards(cfg: FleetConfig) -> None:
             preflight_reward_function(f.name, f.params, sample)
         except ValueError as e:
             raise ConfigError(f"reward.functions[{r.functions.index(f)}]: {e}") from None
+
+
+def response_layout(per_sample: list[list[float]], batch: TrainBatch) -> torch.Tensor:
+    """``[B, T]``: one value per completion token of each sample (a teacher's logprobs), in the batch's response
+    layout, 0 where the response mask is."""
+    out = torch.zeros_like(batch.rollout_logprobs)
+    for i, values in enumerate(per_sample):
+        out[i, : len(values)] = torch.tensor(values, dtype=out.dtype)
+    return out * batch.response_mask
 
 
 def distill_metrics(teacher: torch.Tensor, batch: TrainBatch) -> dict:
