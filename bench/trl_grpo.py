@@ -39,6 +39,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--time-budget", type=float, default=None, help="stop after this many training seconds")
     ap.add_argument("--eval-every", type=int, default=0, help="greedy held-out eval every N steps (0: none)")
     ap.add_argument("--eval-size", type=int, default=400)
+    ap.add_argument("--save-steps", type=int, nargs="*", default=[],
+                    help="save the policy (model + tokenizer) to <run-dir>/step-N after these steps (time excluded "
+                         "from the training clock)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bf16", action="store_true", help="TRL's mixed precision (bf16=True)")
     ap.add_argument("--seed", type=int, default=0)
@@ -103,7 +106,7 @@ def make_callback(args, tok, eval_prompts):
 
     class BenchCallback(TrainerCallback):
         def __init__(self):
-            self.steps, self.evals, self.logs = [], [], []
+            self.steps, self.evals, self.logs, self.saves = [], [], [], []
             self.eval_s = 0.0
             self.generate_s = 0.0  # this step's generation and scoring (see time_generation)
 
@@ -117,6 +120,15 @@ def make_callback(args, tok, eval_prompts):
             self.evals.append({"step": step, "train_s": train_s, "accuracy": acc, "eval_s": seconds})
             self.eval_s += seconds
             print(f"eval step {step} train_s {self.evals[-1]['train_s']:.1f} accuracy {acc:.3f}", flush=True)
+
+        def save(self, model, step: int) -> None:
+            t = time.perf_counter()
+            out = os.path.join(args.run_dir, f"step-{step}")
+            model.save_pretrained(out)
+            tok.save_pretrained(out)
+            self.saves.append({"step": step, "train_s": self.train_s(), "path": out})
+            self.eval_s += time.perf_counter() - t
+            self.last = self.train_s()
 
         def on_train_begin(self, targs, state, control, model=None, **kw):
             self.t0 = time.perf_counter()
@@ -132,6 +144,8 @@ def make_callback(args, tok, eval_prompts):
             if args.eval_every and state.global_step % args.eval_every == 0:
                 self.evaluate(model, state.global_step)
                 self.last = self.train_s()
+            if state.global_step in args.save_steps:
+                self.save(model, state.global_step)
             if args.time_budget is not None and now > args.time_budget:
                 control.should_training_stop = True
 
@@ -197,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     import resource
 
     report = {"settings": vars(args), "steps": callback.steps, "evals": callback.evals, "logs": callback.logs,
+              "saves": callback.saves,
               "trl_version": __import__("trl").__version__, "torch_threads": torch.get_num_threads(),
               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     with open(args.out, "w") as f:

@@ -137,6 +137,21 @@ class FleetConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _apply_run_seed(self) -> FleetConfig:
+        """``run.seed`` seeds the prompt stream, the sampling and the learner; a section seed that says otherwise is
+        a contradiction, not an override."""
+        seed = self.run.seed
+        if seed is None:
+            return self
+        for name in ("data", "rollout", "trainer"):
+            section = getattr(self, name)
+            if "seed" in section.model_fields_set and section.seed != seed:
+                raise ValueError(f"run.seed={seed} sets data.seed, rollout.seed and trainer.seed; {name}.seed="
+                                 f"{section.seed} contradicts it (set one of the two)")
+            section.seed = seed
+        return self
+
+    @model_validator(mode="after")
     def _check_teacher(self) -> FleetConfig:
         """On-policy distillation's advantage compares the student's sampled logprobs with the teacher's at
         temperature 1: the student must sample its own distribution, untempered and untruncated."""

@@ -349,6 +349,10 @@ class RunConfig(Section):
     """Run directory: resolved config, metrics.jsonl, TensorBoard events, plot, final policy."""
     ray_address: str | None = None
     """Ray cluster to join; None uses RAY_ADDRESS or starts a local one."""
+    seed: int | None = None
+    """One seed for every part of the run: when set, it is `data.seed` (the prompt stream), `rollout.seed`
+    (sampling) and `trainer.seed` (learner and driver RNGs); one of those set to another value as well is refused.
+    None: each keeps its own (default 0)."""
     startup_timeout_s: float = Field(900.0, gt=0.0)
     """How long the actors may take to be placed and started; past it the run stops, naming the actors still
     waiting and the resources the cluster has free (an autoscaling cluster may need longer)."""
