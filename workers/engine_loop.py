@@ -30,7 +30,7 @@ class Completion:
 
 class EngineLoop:
     def __init__(self, llm, params_for, lora_request=None):
-        """``llm``: a ``vllm.LLM``; ``params_for(max_new_tokens, seed)`` -> the turn's ``SamplingParams``;
+        """``llm``: a ``vllm.LLM``; ``params_for(max_new_tokens, seed[, stop])`` -> the turn's ``SamplingParams``;
         ``lora_request``: the served LoRA adapter every turn samples with (None: the engine's weights)."""
         self.engine = llm.llm_engine
         self.lora_request = lora_request
@@ -40,12 +40,14 @@ class EngineLoop:
         self.wake = asyncio.Event()
         self.closed = False
 
-    async def generate(self, context_ids: list[int], max_new_tokens: int, seed: int | None) -> Completion:
-        """Sample one turn continuing ``context_ids`` (the exact ids so far: prompt, turns, observations)."""
+    async def generate(self, context_ids: list[int], max_new_tokens: int, seed: int | None,
+                       stop: list[str] | None = None) -> Completion:
+        """Sample one turn continuing ``context_ids`` (the exact ids so far: prompt, turns, observations);
+        ``stop``: more stop strings for this turn (an agent's request)."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        params = self.params_for(max_new_tokens, seed)
+        params = self.params_for(max_new_tokens, seed, stop) if stop else self.params_for(max_new_tokens, seed)
         params.output_kind = RequestOutputKind.FINAL_ONLY
         rid = f"turn-{next(self.ids)}"
         future = asyncio.get_running_loop().create_future()

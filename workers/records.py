@@ -20,6 +20,7 @@ class EpisodeStats:
     turn_rewards: list[float]  # the environment's reward for each turn
     errored: bool  # the environment raised or the episode timed out
     tools_called: list[str] = field(default_factory=list)  # the tool each call named, in order
+    counters: dict[str, int] = field(default_factory=dict)  # agent episodes: agent/calls, forks, retries, ...
 
 
 @dataclass

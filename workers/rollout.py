@@ -227,18 +227,24 @@ class RolloutWorker(LoggedActor):
         from workers.episodes import EpisodeFactory
 
         if self.episodes is None or self.episodes.env != env or self.episodes.env_actors != list(env_actors or []):
-            self.episodes = EpisodeFactory(env, self.tokenizer, max_new_tokens, env_actors, self.name)
+            self.episodes = EpisodeFactory(env, self.tokenizer, max_new_tokens, env_actors, self.name,
+                                           lambda: self.policy_version)
         factory = self.episodes
 
-        def params_for(max_tokens: int, turn_seed: int | None):
-            return _sampling(temperature, top_p, max_tokens, turn_seed, (factory.renderer.stop + self.stop) or None)
+        def params_for(max_tokens: int, turn_seed: int | None, stop: list[str] | None = None):
+            stops = factory.renderer.stop + self.stop + list(stop or [])
+            return _sampling(temperature, top_p, max_tokens, turn_seed, stops or None)
+
+        async def play(episodes):
+            async with factory.serving(temperature, top_p):
+                return await run_all(self.llm, params_for, episodes, self._lora_request())
 
         def turn_seeds(uid: str, j: int):
             return lambda turn: None if seed is None else _sample_seed(seed + 7919 * turn, uid, j)
 
         jobs = [(uid, j, meta, factory.episode(prompt, meta, _sample_seed(seed or 0, uid, j), turn_seeds(uid, j)))
                 for uid, prompt, meta in prompts for j in range(group_size)]
-        episodes = asyncio.run(run_all(self.llm, params_for, [job[3] for job in jobs], self._lora_request()))
+        episodes = asyncio.run(play([job[3] for job in jobs]))
         samples = [factory.to_sample(ep, uid, j, meta, self.policy_version, self.name)
                    for (uid, j, meta, _), ep in zip(jobs, episodes)]
         self.generated_tokens += sum(sum(s.loss_mask) for s in samples)

@@ -128,9 +128,10 @@ class FleetConfig(Section):
                              "policies' samples: it needs the truncated-IS correction, set algorithm.tis_cap "
                              "(e.g. 2.0), not null")
         if r.mode == "async":
-            if self.env.name:
+            if self.env.multi_turn:
                 raise ValueError("rollout.mode=async streams single-turn completions: multi-turn episodes "
-                                 f"(env.name={self.env.name}) run in sync or one_step_off mode")
+                                 f"(env.name={self.env.name}, env.agent={self.env.agent}) run in sync or "
+                                 "one_step_off mode")
             if r.dynamic_sampling:
                 raise ValueError("rollout.mode=async takes groups as they complete: rollout.dynamic_sampling "
                                  "(DAPO's resampling rounds) is a sync/one_step_off option")

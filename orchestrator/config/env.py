@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from orchestrator.config.section import Section
 
@@ -45,6 +45,13 @@ class EnvConfig(Section):
     """Episodes that errored (the environment raised, or the episode timed out): `drop_group` gives their whole
     group zero loss and leaves it out of the reward statistics (no biased baseline); `keep` scores them as they
     are."""
+    agent: str | None = None
+    """`package.module:function`: agent code written against the `openai` client, as the environment. An `async
+    def fn(client, task) -> reward` (a number or a dict of numbers, summed) run G times per prompt, each run one
+    session of the rollout actor's OpenAI-compatible endpoint (`client` is an `openai.AsyncOpenAI` pointed at it);
+    the tokens its calls sampled are the sample. Replaces `name` (see docs/agents.md)."""
+    endpoint_host: str = "127.0.0.1"
+    """Address the agent endpoint binds (loopback: only the rollout actor's own process reaches it)."""
     args: dict = Field(default_factory=dict)
     """Keyword arguments for the environment's constructor."""
     num_workers: int = Field(0, ge=0, le=1024)
@@ -62,6 +69,32 @@ class EnvConfig(Section):
 
             _load_plugin(load_environment, name)
         return name
+
+    @field_validator("agent")
+    @classmethod
+    def _check_agent(cls, spec: str | None) -> str | None:
+        if spec is not None:
+            from workers.envs.agent import load_agent
+
+            _load_plugin(load_agent, spec)
+        return spec
+
+    @model_validator(mode="after")
+    def _agent_replaces_name(self) -> EnvConfig:
+        if self.agent and self.name:
+            raise ValueError(f"env.agent={self.agent} is the environment: env.name={self.name} must be unset")
+        if self.agent and self.num_workers:
+            raise ValueError(f"env.agent runs inside the rollout actors, beside their endpoint: env.num_workers="
+                             f"{self.num_workers} must be 0")
+        if self.agent and self.renderer == "text":
+            raise ValueError("env.agent talks to the model through the chat template: env.renderer must be chat or "
+                             "auto, not text")
+        return self
+
+    @property
+    def multi_turn(self) -> bool:
+        """Each sample is an episode (an environment's or an agent's), not one completion."""
+        return bool(self.name or self.agent)
 
     @field_validator("tools")
     @classmethod

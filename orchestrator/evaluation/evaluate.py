@@ -111,7 +111,7 @@ def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "re
     fleet = Fleet.for_run(fleet, cfg, Roles(rollout=True, reward=True))
     rollouts, rewards = fleet.rollouts, fleet.rewards
     n_max = max(ns)
-    what = "tool episodes" if cfg.env.name else "completions"
+    what = "tool episodes" if cfg.env.multi_turn else "completions"
     log.info("eval: %d greedy %s, then %d x %d sampled (%d engines)", len(prompts), what, len(prompts), n_max,
              len(rollouts.workers))
     greedy = rollouts.generate(prompts, 1, temperature=0.0, seed=None)
@@ -129,7 +129,7 @@ def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "re
         "greedy_accuracy": sum(verdicts(verifier, [(s.prompt_text, s.completion_text, s.metadata)
                                                    for s in greedy])) / len(greedy),
         "verify_timeouts": verify_timeouts(),
-        **summarize(groups, ns), **(_episodes(greedy) if cfg.env.name else {}), "reward_errors": errors,
+        **summarize(groups, ns), **(_episodes(greedy) if cfg.env.multi_turn else {}), "reward_errors": errors,
         "seconds": round(time.perf_counter() - t0, 1),
     }
     path = Path(out) if out else Path(cfg.run.dir) / "eval.json"

@@ -44,7 +44,7 @@ def collect(run: Run, step: int, timer: PhaseTimer) -> Collected:
     info = {"sampling/rounds": rounds, "sampling/informative_groups": len(kept),
             "reward/error_frac": (errors + timed_out) / calls, "reward/timeouts": timed_out,
             **({"reward/judge_errors": judge_errors} if run.judge else {})}
-    if cfg.env.name:
+    if cfg.env.multi_turn:
         info["env/dropped_groups"] = drop_errored_groups(groups) if cfg.env.errored == "drop_group" else 0
     out = Collected([x for grp in groups for x in grp], errors, info, fleet.rewards.first_error)
     check_reward_errors(run, step, out)

@@ -374,7 +374,7 @@ class Run:
         out = {"eval/accuracy": sum(correct) / len(correct), "eval/restate_frac": restating,
                "eval/verify_timeouts": verify_timeouts() - timeouts,
                "time/eval_s": time.perf_counter() - t0}
-        if self.cfg.env.name:
+        if self.cfg.env.multi_turn:
             out.update(eval_episode_metrics(samples))
         return out
 

@@ -38,11 +38,28 @@ def episode_metrics(samples: list) -> dict:
               if e.tools_called and "tool" in s.metadata]
     if chosen:  # a task that names each problem's tool (tool_choice): of the episodes that called one, the right one
         out["env/right_tool_rate"] = sum(called == right for called, right in chosen) / len(chosen)
+    if any(e.counters for e in eps):
+        out.update(agent_metrics(eps))
     for reason in sorted({e.termination for e in eps}):
         out[f"env/termination/{reason}"] = sum(e.termination == reason for e in eps) / n
     if latency:
         out["env/tool_latency_p50_s"] = latency[len(latency) // 2]
         out["env/tool_latency_p99_s"] = latency[min(len(latency) - 1, int(0.99 * len(latency)))]
+    return out
+
+
+AGENT_COUNTERS = ("forks", "retries", "aborted", "bad_requests", "overridden")
+
+
+def agent_metrics(eps: list) -> dict:
+    """Agent episodes (``env.agent``): runs that raised (``agent/errors``) or ran out of time (``agent/timeouts``),
+    and the endpoint's counts summed over the step's sessions (forked histories, client retries, calls the client
+    abandoned, requests answered 400, sampling settings answered with the run's)."""
+    out = {"agent/errors": sum(e.termination == "env_error" for e in eps),
+           "agent/timeouts": sum(e.termination == "timeout" for e in eps),
+           "agent/calls_mean": sum(e.counters.get("agent/calls", 0) for e in eps) / len(eps)}
+    for key in AGENT_COUNTERS:
+        out[f"agent/{key}"] = sum(e.counters.get(f"agent/{key}", 0) for e in eps)
     return out
 
 

@@ -71,7 +71,7 @@ def load_tokenizer(path: str):
 def max_model_len(cfg: FleetConfig) -> int:
     """Engine context: the prompt limit plus the completion cap (an episode's token budget with ``env``), within
     the model's position range."""
-    wanted = cfg.env.max_total_tokens if cfg.env.name else cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    wanted = cfg.env.max_total_tokens if cfg.env.multi_turn else cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     config = Path(cfg.model.path) / "config.json"
     hf = json.loads(config.read_text()) if config.exists() else {}  # not built yet (the embedded model): no cap
     return min(int(hf.get("max_position_embeddings", 1 << 30)), wanted)

@@ -252,7 +252,7 @@ class PolicyLoop(Loop):
         """Per-token (advantages, returns) from the configured algorithm (:mod:`learner.algorithms`); ``teacher``:
         the teacher's logprobs of the sampled tokens (on-policy distillation)."""
         turns = [(x.sample.episode.turn_ends, x.sample.episode.turn_rewards) for x in scored] \
-            if self.cfg.env.name else None
+            if self.cfg.env.multi_turn else None
         inputs = advantage_inputs([s.reward for s in scored], [s.components for s in scored],
                                   [s.sample.prompt_uid for s in scored], batch.response_mask, values=batch.old_values,
                                   old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs, steps=steps,
@@ -300,7 +300,7 @@ class PolicyLoop(Loop):
         lengths = torch.tensor([len(x.sample.completion_ids) for x in scored], dtype=torch.float32)
         components = {f"reward/{name}": sum(x.components.get(name, 0.0) for x in scored) / len(scored)
                       for name in sorted({k for x in scored for k in x.components})}
-        return {**components, **(episode_metrics([x.sample for x in scored]) if self.cfg.env.name else {}),
+        return {**components, **(episode_metrics([x.sample for x in scored]) if self.cfg.env.multi_turn else {}),
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
             "reward/errors": reward_errors, "train/accuracy": sum(correct) / len(correct),
             "train/restate_frac": restate_frac([x.sample for x in scored]),
@@ -334,9 +334,9 @@ def check_rewards(cfg: FleetConfig) -> None:
     from rewards.judge import NAME
 
     r = cfg.reward
-    if not r.functions and not r.model.path:
-        raise ConfigError("reward.functions: empty, and no reward.model.path: a run that samples needs a reward "
-                          "(e.g. [{name: math}])")
+    if not r.functions and not r.model.path and not cfg.env.agent:
+        raise ConfigError("reward.functions: empty, and no reward.model.path or env.agent: a run that samples needs a "
+                          "reward (e.g. [{name: math}])")
     task = make_task(cfg)  # a dataset's rows are read and checked here
     users = [f for f in r.functions if ":" in f.name and f.name != NAME]
     if not users:

@@ -179,10 +179,10 @@ class RolloutPool(ActorPool):
     def generate(self, prompts: list[Prompt], group_size: int, temperature: float, seed: int | None,
                  prefixes: list[list[int]] | None = None, stop: list[str] | None = None,
                  max_new_tokens: int | None = None) -> list[Sample]:
-        """``group_size`` samples per prompt, grouped by prompt: completions, or with ``env.name`` set multi-turn
-        episodes (each sample one episode, :meth:`RolloutWorker.run_episodes`). ``prefixes``, ``stop``: continue
-        partial solutions, stop at extra strings (see :meth:`RolloutWorker.generate`); ``max_new_tokens``: instead
-        of ``rollout.max_new_tokens``."""
+        """``group_size`` samples per prompt, grouped by prompt: completions, or with ``env.name`` (or ``env.agent``)
+        set multi-turn episodes (each sample one episode, :meth:`RolloutWorker.run_episodes`). ``prefixes``,
+        ``stop``: continue partial solutions, stop at extra strings (see :meth:`RolloutWorker.generate`);
+        ``max_new_tokens``: instead of ``rollout.max_new_tokens``."""
         r = self.cfg.rollout
         items = [(p.uid, p.text, p.metadata) for p in prompts]
         if prefixes is not None:
@@ -193,7 +193,7 @@ class RolloutPool(ActorPool):
                 stop), parts)
             return [s for out in outs for s in out]
         parts = _chunks(items, len(self.workers))
-        if self.cfg.env.name:
+        if self.cfg.env.multi_turn:
             env = env_spec(self.cfg)
             actors = self.envs.workers if self.envs else None
             outs = self.fan_out(lambda w, part: w.run_episodes.remote(part, group_size, env, r.max_new_tokens,

@@ -1,0 +1,1 @@
+"""Agent code a user writes anyway (``env.agent: examples.math_agent:solve``)."""

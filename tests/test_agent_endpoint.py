@@ -1,0 +1,302 @@
+"""The agent endpoint's contract (workers/envs/endpoint.py, sessions.py, agent.py), driven by the real `openai`
+client over HTTP: exact tokens per session, forks, retries, aborts, auth, 400s, streaming, agent runs that fail.
+A scripted engine stands in for vLLM here (it records the context ids of every call); tests/test_agents.py runs
+agent episodes on the real stack."""
+
+import asyncio
+import json
+
+import openai
+import pytest
+
+from tests.test_envs import smollm2_tokenizer
+from workers.engine_loop import Completion
+from workers.envs.agent import AgentRunner, load_agent
+from workers.envs.endpoint import Endpoint
+from workers.envs.sessions import SessionLimits
+
+CALC = {"type": "function", "function": {"name": "calculator", "description": "arithmetic",
+                                         "parameters": {"type": "object",
+                                                        "properties": {"expression": {"type": "string"}}}}}
+
+
+class Engine:
+    """Writes the scripted turns (token ids) in order; keeps the context ids each call was sent."""
+
+    def __init__(self, tok, turns: list[list[int]], delay_s: float = 0.0):
+        self.tok, self.turns, self.delay_s = tok, list(turns), delay_s
+        self.contexts: list[list[int]] = []
+        self.cancelled = 0
+
+    async def generate(self, ids, max_new_tokens, stop=None):
+        self.contexts.append(list(ids))
+        try:
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        out = self.turns.pop(0)[:max_new_tokens]
+        return Completion(out, [-0.25] * len(out), self.tok.decode(out, skip_special_tokens=True),
+                          "stop" if out and out[-1] == self.tok.eos_token_id else "length")
+
+
+def ids(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def call_turn(tok, expression: str) -> list[int]:
+    return ids(tok, f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}</tool_call>') \
+        + [tok.eos_token_id]
+
+
+async def serve(tok, engine, fn, max_turns=4, max_total_tokens=1024, max_new_tokens=64):
+    """Run ``fn(endpoint, session)`` against a started endpoint with one open session ``s``."""
+    ep = Endpoint(tok, "policy", SessionLimits(max_turns, max_total_tokens, max_new_tokens),
+                  {"temperature": 1.0, "top_p": 1.0})
+    await ep.start()
+    try:
+        session = ep.open("s", engine.generate, lambda: 7)
+        return await fn(ep, session)
+    finally:
+        await ep.stop()
+
+
+def client_for(ep, **kw):
+    return openai.AsyncOpenAI(base_url=ep.url("s"), api_key=ep.token, **kw)
+
+
+def test_a_three_turn_session_trains_exactly_the_sampled_ids_not_a_re_tokenization():
+    """Two tool calls and an answer, the first turn spelled in ids the tokenizer would not produce: each call's
+    prompt is the previous call's context + the sampled ids + only the new messages' ids."""
+    tok = smollm2_tokenizer()
+    odd = ids(tok, " Let me") + ids(tok, " comp") + ids(tok, "ute.")
+    assert ids(tok, tok.decode(odd)) != odd  # decode -> encode would merge them
+    turns = [odd + call_turn(tok, "347*58")[:-1] + [tok.eos_token_id], call_turn(tok, "20126+1"),
+             ids(tok, "It is 20127.") + [tok.eos_token_id]]
+    engine = Engine(tok, turns)
+
+    async def agent(ep, session):
+        client = client_for(ep)
+        messages = [{"role": "user", "content": "What is 347 * 58 + 1?"}]
+        for result in ("20126", "20127", None):
+            reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if result is not None:
+                assert reply.choices[0].finish_reason == "tool_calls"
+                assert json.loads(message.tool_calls[0].function.arguments)["expression"] in ("347*58", "20126+1")
+                messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": result})
+        await client.close()
+        return messages, session.episode()
+
+    messages, episode = asyncio.run(serve(tok, engine, agent))
+    assert messages[-1]["content"] == "It is 20127."
+    sampled = [t for t, m in zip(episode.token_ids, episode.mask) if m]
+    assert sampled == turns[0] + turns[1] + turns[2]  # the trained ids are the engine's, verbatim
+    assert episode.token_ids[:len(engine.contexts[2])] == engine.contexts[2]  # calls extend one context
+    assert engine.contexts[1][:len(engine.contexts[0]) + len(turns[0])] == engine.contexts[0] + turns[0]
+    assert episode.tool_calls == 2 and episode.turn_ends[-1] == len(episode.token_ids) - 1
+    retokenized = ids(tok, tok.apply_chat_template(episode.messages, tokenize=False))
+    assert retokenized[:len(episode.token_ids)] != episode.token_ids  # what re-rendering the history would train
+    assert tok.decode(episode.token_ids) + "\n" == tok.apply_chat_template(episode.messages, tokenize=False)
+
+
+def test_a_client_that_edits_an_earlier_reply_forks_and_the_sample_is_the_new_trajectory():
+    tok = smollm2_tokenizer()
+    engine = Engine(tok, [call_turn(tok, "2+3"), ids(tok, "5") + [tok.eos_token_id],
+                          ids(tok, "Five.") + [tok.eos_token_id]])
+
+    async def agent(ep, session):
+        client = client_for(ep)
+        messages = [{"role": "user", "content": "What is 2 + 3?"}]
+        reply = (await client.chat.completions.create(model="policy", messages=messages)).choices[0].message
+        messages += [reply.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": reply.tool_calls[0].id,
+                                                           "content": "5"}]
+        second = (await client.chat.completions.create(model="policy", messages=messages)).choices[0].message
+        # the same turns, but the first reply rewritten (as a client that strips tool calls or reasoning does)
+        edited = [messages[0], {"role": "assistant", "content": "I used a tool."}, messages[2],
+                  second.model_dump(exclude_none=True), {"role": "user", "content": "In words?"}]
+        await client.chat.completions.create(model="policy", messages=edited)  # not what was sampled: a fork
+        await client.close()
+        return session
+
+    session = asyncio.run(serve(tok, engine, agent))
+    episode = session.episode()
+    assert session.counts["forks"] == 1 and len(session.trajectories) == 2
+    assert episode.info["agent/forks"] == 1
+    sampled = [t for t, m in zip(episode.token_ids, episode.mask) if m]
+    assert sampled == ids(tok, "Five.") + [tok.eos_token_id]  # only the new branch's turn is trained
+    assert "I used a tool." in tok.decode(episode.token_ids[:episode.prompt_len])  # the client's history, as prompt
+
+
+def test_a_retried_call_replaces_its_turn_and_a_disconnected_one_leaves_no_trace():
+    """The openai client's retry after a lost reply is the same call again (one sample, not two); a client that
+    gives up mid-call aborts the engine request and the session is as before it."""
+    tok = smollm2_tokenizer()
+    engine = Engine(tok, [ids(tok, "A") + [tok.eos_token_id], ids(tok, "B") + [tok.eos_token_id]])
+    messages = [{"role": "user", "content": "Say a letter."}]
+
+    async def agent(ep, session):
+        client = client_for(ep)
+        await client.chat.completions.create(model="policy", messages=messages)
+        await client.chat.completions.create(model="policy", messages=messages)  # the reply was lost: a retry
+        engine.delay_s = 30.0
+        impatient = client_for(ep, timeout=0.5, max_retries=0)
+        with pytest.raises(openai.APITimeoutError):
+            await impatient.chat.completions.create(model="policy", messages=[
+                *messages, {"role": "assistant", "content": "B"}, {"role": "user", "content": "Another."}])
+        for _ in range(50):  # the server notices the disconnect
+            if session.counts["aborted"]:
+                break
+            await asyncio.sleep(0.05)
+        await client.close()
+        await impatient.close()
+        return session
+
+    session = asyncio.run(serve(tok, engine, agent))
+    episode = session.episode()
+    assert session.counts["retries"] == 1 and session.counts["aborted"] == 1 and engine.cancelled == 1
+    assert len(episode.turn_ends) == 1 and session.calls == 2
+    assert [t for t, m in zip(episode.token_ids, episode.mask) if m] == ids(tok, "B") + [tok.eos_token_id]
+    assert len(episode.token_ids) == episode.turn_ends[-1] + 1  # the aborted call's messages are not appended
+
+
+def test_auth_bad_requests_and_streaming():
+    tok = smollm2_tokenizer()
+    engine = Engine(tok, [call_turn(tok, "6*7"), ids(tok, "Hi") + [tok.eos_token_id]])
+
+    async def agent(ep, session):
+        messages = [{"role": "user", "content": "Hello"}]
+        stranger = openai.AsyncOpenAI(base_url=ep.url("s"), api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await stranger.chat.completions.create(model="policy", messages=messages)
+        with pytest.raises(openai.AuthenticationError):
+            await stranger.models.list()
+        client = client_for(ep, max_retries=0)
+        assert [m.id for m in (await client.models.list()).data] == ["policy"]
+        refusals = {}
+        for key, extra in (("n", {"n": 2}), ("response_format", {"response_format": {"type": "json_object"}}),
+                           ("tool_choice", {"tool_choice": "required"}), ("max_tokens", {"max_tokens": 0})):
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.chat.completions.create(model="policy", messages=messages, **extra)
+            refusals[key] = err.value.body["param"]
+        with pytest.raises(openai.BadRequestError, match="role"):
+            await client.chat.completions.create(model="policy", messages=[{"content": "no role"}])
+        assert refusals == {k: k for k in refusals} and session.calls == 0 and not engine.contexts
+        chunks = [c async for c in await client.chat.completions.create(
+            model="policy", messages=messages, tools=[CALC], stream=True, temperature=0.2)]
+        call = chunks[0].choices[0].delta.tool_calls[0]
+        assert call.function.name == "calculator" and chunks[-1].choices[0].finish_reason == "tool_calls"
+        none = await client.chat.completions.create(model="policy", messages=[
+            *messages, {"role": "assistant", "tool_calls": [c.model_dump() for c in chunks[0].choices[0].delta.
+                                                              tool_calls]},
+            {"role": "tool", "tool_call_id": call.id, "content": "42"}], tool_choice="none", tools=[CALC])
+        assert none.choices[0].message.content == "Hi"
+        await client.close()
+        await stranger.close()
+        return session
+
+    session = asyncio.run(serve(tok, engine, agent))
+    assert session.counts["bad_requests"] == 5 and session.counts["overridden"] == 1
+    assert session.counts["forks"] == 0  # the streamed tool call, echoed back, continues the trajectory
+
+
+def test_max_tokens_is_clamped_to_the_context_and_a_full_session_is_refused():
+    tok = smollm2_tokenizer()
+    engine = Engine(tok, [ids(tok, "one two three four five six seven eight"), ids(tok, "x")])
+
+    async def agent(ep, session):
+        client = client_for(ep, max_retries=0)
+        messages = [{"role": "user", "content": "Count."}]
+        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=1000)
+        assert reply.choices[0].finish_reason == "length"
+        with pytest.raises(openai.BadRequestError, match="max_total_tokens"):
+            await client.chat.completions.create(model="policy", messages=[
+                *messages, reply.choices[0].message.model_dump(exclude_none=True),
+                {"role": "user", "content": "More."}])
+        await client.close()
+        return session
+
+    budget = len(ids(tok, tok.apply_chat_template([{"role": "user", "content": "Count."}], tokenize=False,
+                                                  add_generation_prompt=True))) + 4
+    session = asyncio.run(serve(tok, engine, agent, max_total_tokens=budget, max_new_tokens=6))
+    assert len(session.episode().turn_ends) == 1 and len(session.episode().token_ids) == budget
+
+
+async def solve(client, task):
+    """A user's agent: ask, call the calculator it is told to, answer; the reward is whether the answer is right."""
+    messages = [{"role": "user", "content": task["prompt"]}]
+    for _ in range(3):
+        message = (await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])
+                   ).choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return float(message.content.strip().endswith(task["answer"]))
+        for c in message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": "5"})
+    return 0.0
+
+
+async def raises(client, task):
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    raise RuntimeError("the agent's own bug")
+
+
+async def sleeps(client, task):
+    await asyncio.sleep(60)
+
+
+async def returns_text(client, task):
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    return "good"
+
+
+def run_agent(spec: str, turns, timeout_s: float = 30.0):
+    tok = smollm2_tokenizer()
+    engine = Engine(tok, turns)
+    env = {"agent": spec, "episode_timeout_s": timeout_s, "max_turns": 4, "max_total_tokens": 512}
+    runner = AgentRunner(env, tok, 64, {"temperature": 1.0, "top_p": 1.0}, "rollout-0")
+
+    async def main():
+        async with runner.serving():
+            start = runner.episode("What is 2 + 3?", {"answer": "5"}, lambda: 3, lambda turn: turn)
+            return await start(lambda ids_, n, seed, stop: engine.generate(ids_, n, stop))
+
+    return asyncio.run(main())
+
+
+def test_an_agent_function_is_the_environment_and_its_failures_end_only_its_run():
+    tok = smollm2_tokenizer()
+    ep = run_agent("tests.test_agent_endpoint:solve", [call_turn(tok, "2+3"), ids(tok, "It is 5") + [2]])
+    assert ep.termination == "done" and ep.turn_rewards == [0.0, 1.0] and ep.tool_calls == 1
+    assert ep.info["agent/calls"] == 2
+    err = run_agent("tests.test_agent_endpoint:raises", [ids(tok, "hi") + [2]])
+    assert err.termination == "env_error" and "the agent's own bug" in err.info["error"] and err.turn_rewards == [0.0]
+    late = run_agent("tests.test_agent_endpoint:sleeps", [], timeout_s=0.3)
+    assert late.termination == "timeout"
+    text = run_agent("tests.test_agent_endpoint:returns_text", [ids(tok, "hi") + [2]])
+    assert text.termination == "env_error" and "a number or a dict of numbers" in text.info["error"]
+
+
+def not_async(client, task):
+    return 1.0
+
+
+async def one_arg(client):
+    return 1.0
+
+
+@pytest.mark.parametrize("spec, problem", [
+    ("tests.test_agent_endpoint:not_async", "is not an async function"),
+    ("tests.test_agent_endpoint:one_arg", "must take two arguments"),
+    ("tests.test_agent_endpoint:missing", "has no 'missing'"),
+    ("no_such_module:fn", "module 'no_such_module' not found"),
+    ("solve", "package.module:function"),
+])
+def test_a_bad_agent_is_refused_at_load(spec, problem):
+    from orchestrator.config import ConfigError, load_config
+
+    with pytest.raises(ValueError, match=problem):
+        load_agent(spec)
+    with pytest.raises(ConfigError, match=f"env.agent.*{problem}"):
+        load_config(None, [f"env.agent={spec}"])

@@ -1,0 +1,229 @@
+"""The OpenAI-compatible endpoint a rollout actor serves over its own engine while it runs agent episodes
+(``env.agent``): agent code written against the ``openai`` client trains unchanged.
+
+    POST /sessions/{id}/v1/chat/completions     one call of session ``id`` (:mod:`workers.envs.sessions`)
+    GET  /sessions/{id}/v1/models, /v1/models   the served model
+    GET  /health                                no token needed
+
+Served with aiohttp on the actor's episode event loop (the loop that steps the engine,
+:mod:`workers.engine_loop`): a call becomes one engine request, batched with every other session's by vLLM's
+continuous batching; there is no second inference server. Bound to ``env.endpoint_host`` (loopback by default) on
+a free port; every request but ``/health`` needs ``Authorization: Bearer <token>`` (a random token per actor).
+
+Honoured: ``messages``, ``tools`` (rendered by the model's chat template, as tool episodes render them),
+``tool_choice`` ``auto`` / ``none``, ``max_tokens`` / ``max_completion_tokens`` (clamped to ``rollout.
+max_new_tokens`` and to what ``env.max_total_tokens`` leaves), ``stop``, ``stream`` (the finished reply as
+server-sent events). Sampling is the run's (``rollout.temperature``, ``top_p``, the sample's seed): a request that
+asks for other settings is answered with the run's and counted (``agent/overridden``). Answered 400 with a message:
+``n`` > 1, ``response_format`` other than text, ``tool_choice`` ``required`` or a named function, malformed
+messages, a session out of calls or context. A session takes one call at a time (a second waits); a client that
+disconnects aborts its engine request and its call leaves no trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from workers.envs.sessions import BadRequest, Session, SessionLimits
+
+OVERRIDABLE = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "min_p",
+               "repetition_penalty")
+"""Sampling settings a request may carry; a value other than the run's is answered with the run's (counted)."""
+
+
+@dataclass
+class Call:
+    """What one request asks for, validated."""
+
+    messages: list
+    tools: list | None
+    parse_calls: bool
+    max_tokens: int | None
+    stop: list[str]
+    stream: bool
+
+
+def parse_call(body, run_sampling: dict) -> tuple[Call, int]:
+    """The request's call and how many of its sampling settings differ from the run's; :class:`BadRequest`
+    naming the field otherwise."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    if body.get("n", 1) != 1:
+        raise BadRequest(f"n={body['n']}: one choice per call (a GRPO group is G sessions, env.agent runs the "
+                         "agent G times)", "n")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise BadRequest("response_format is not supported: the reply is sampled as the run samples", "response_format")
+    choice = body.get("tool_choice", "auto")
+    if choice not in ("auto", "none", None):
+        raise BadRequest(f"tool_choice={json.dumps(choice)}: only 'auto' and 'none' are supported", "tool_choice")
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise BadRequest("tools must be a list of tool objects", "tools")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise BadRequest(f"max_tokens={max_tokens!r}: a positive integer", "max_tokens")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop) and len(stop) <= 4):
+        raise BadRequest("stop must be a string or a list of up to 4 non-empty strings", "stop")
+    overridden = sum(key in body and body[key] is not None and body[key] != run_sampling.get(key)
+                     for key in OVERRIDABLE)
+    return Call(body.get("messages"), tools or None, choice != "none", max_tokens, stop,
+                bool(body.get("stream", False))), overridden
+
+
+class Endpoint:
+    """One rollout actor's endpoint (see the module docstring). ``open`` a session per agent run, hand the agent
+    :meth:`url` and :attr:`token`, ``close`` it after."""
+
+    def __init__(self, tokenizer, model_name: str, limits: SessionLimits, sampling: dict,
+                 system_prompt: str | None = None, host: str = "127.0.0.1"):
+        self.tokenizer, self.model_name, self.limits = tokenizer, model_name, limits
+        self.sampling, self.system_prompt, self.host = sampling, system_prompt, host
+        self.token = secrets.token_urlsafe(24)
+        self.sessions: dict[str, tuple[Session, object, object, asyncio.Lock]] = {}
+        self.counts: Counter = Counter()
+        self.port = 0
+        self.runner = None
+
+    async def start(self) -> None:
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/sessions/{sid}/v1/models", self._models)
+        app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.host, 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    def url(self, sid: str) -> str:
+        return f"http://{self.host}:{self.port}/sessions/{sid}/v1"
+
+    def open(self, sid: str, generate, version) -> Session:
+        """A session whose calls sample with ``generate(ids, max_new_tokens, stop)`` (an awaitable
+        :class:`workers.engine_loop.Completion`) and stamp ``version()`` when each request is sent."""
+        if sid in self.sessions:
+            raise ValueError(f"session {sid!r} is already open")
+        session = Session(sid, self.tokenizer, self.limits, self.system_prompt)
+        self.sessions[sid] = (session, generate, version, asyncio.Lock())
+        return session
+
+    def close(self, sid: str) -> Session | None:
+        entry = self.sessions.pop(sid, None)
+        return entry[0] if entry else None
+
+    # -- handlers ---------------------------------------------------------------------------------------------
+    async def _health(self, request):
+        from aiohttp import web
+
+        return web.json_response({"status": "ok", "sessions": len(self.sessions)})
+
+    async def _models(self, request):
+        from aiohttp import web
+
+        denied = self._denied(request)
+        return denied or web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "fleetrl"}]})
+
+    async def _chat(self, request):
+        denied = self._denied(request)
+        if denied:
+            return denied
+        entry = self.sessions.get(request.match_info["sid"])
+        if entry is None:
+            return _error(404, f"no open session {request.match_info['sid']!r}", "not_found_error")
+        session, generate, version, lock = entry
+        try:
+            body = await request.json()
+        except ValueError:
+            return self._bad(session, BadRequest("the request body is not JSON"))
+        async with lock:
+            try:
+                call, overridden = parse_call(body, self.sampling)
+                traj, budget = session.prepare(call.messages, call.tools)
+            except BadRequest as e:
+                return self._bad(session, e)
+            session.counts["overridden"] += overridden
+            sent = version()
+            try:
+                turn = await generate(list(traj.episode.token_ids), min(budget, call.max_tokens or budget), call.stop)
+            except BaseException:  # the client went away (the handler is cancelled) or the engine failed
+                session.abandon(traj)
+                raise
+            message = session.record(traj, turn.token_ids, turn.logprobs, turn.text, turn.finish_reason, sent,
+                                     call.parse_calls)
+        message = _strip_stop(message, call.stop, turn.finish_reason)
+        finish = "tool_calls" if message.get("tool_calls") else "length" if turn.finish_reason == "length" else "stop"
+        reply = {"id": f"chatcmpl-{session.sid}-{session.calls}", "created": int(time.time()),
+                 "model": self.model_name, "system_fingerprint": f"fleetrl-v{sent}"}
+        usage = {"prompt_tokens": len(traj.episode.token_ids) - len(turn.token_ids),
+                 "completion_tokens": len(turn.token_ids), "total_tokens": len(traj.episode.token_ids)}
+        if call.stream:
+            return await _stream(request, reply, message, finish)
+        from aiohttp import web
+
+        return web.json_response({**reply, "object": "chat.completion", "usage": usage, "choices": [
+            {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}]})
+
+    def _denied(self, request):
+        given = request.headers.get("Authorization", "")
+        if hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            return None
+        self.counts["unauthorized"] += 1
+        return _error(401, "missing or wrong API key (Authorization: Bearer <token>)", "authentication_error")
+
+    def _bad(self, session: Session, e: BadRequest):
+        session.counts["bad_requests"] += 1
+        return _error(400, str(e), "invalid_request_error", e.param)
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None):
+    from aiohttp import web
+
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}},
+                             status=status)
+
+
+def _strip_stop(message: dict, stop: list[str], finish_reason: str) -> dict:
+    """OpenAI's replies leave out the stop string that ended them (the trained tokens keep it)."""
+    content = message.get("content")
+    if finish_reason != "stop" or not content or message.get("tool_calls"):
+        return message
+    for s in stop:
+        if content.endswith(s):
+            return {**message, "content": content[:-len(s)]}
+    return message
+
+
+async def _stream(request, reply: dict, message: dict, finish: str):
+    """The finished reply as server-sent events: one delta with the whole message, one with the finish reason."""
+    from aiohttp import web
+
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    delta = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+    for choice in ({"index": 0, "delta": delta, "finish_reason": None},
+                   {"index": 0, "delta": {}, "finish_reason": finish}):
+        chunk = {**reply, "object": "chat.completion.chunk", "choices": [choice]}
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
