@@ -273,7 +273,7 @@ def test_an_agent_function_is_the_environment_and_its_failures_end_only_its_run(
     err = run_agent("tests.test_agent_endpoint:raises", [ids(tok, "hi") + [2]])
     assert err.termination == "env_error" and "the agent's own bug" in err.info["error"] and err.turn_rewards == [0.0]
     late = run_agent("tests.test_agent_endpoint:sleeps", [], timeout_s=0.3)
-    assert late.termination == "timeout"
+    assert late.termination == "timeout" and late.prompt_len == len(late.token_ids) > 0  # the prompt, no turn
     text = run_agent("tests.test_agent_endpoint:returns_text", [ids(tok, "hi") + [2]])
     assert text.termination == "env_error" and "a number or a dict of numbers" in text.info["error"]
 

@@ -178,8 +178,7 @@ class PolicyLoop(Loop):
         learner's forward/backward/optimizer. In one_step_off those two overlap, so only the longer counts."""
         out = timer.metrics()
         learner_s = out.get("time/logprobs_s", 0.0) + out.get("time/teacher_s", 0.0) + max(
-            train_metrics.get("time/actor_compute_s", 0.0),
-                                                          train_metrics.get("time/critic_compute_s", 0.0))
+            train_metrics.get("time/actor_compute_s", 0.0), train_metrics.get("time/critic_compute_s", 0.0))
         if self.cfg.rollout.mode == "one_step_off":
             gen = out.get("time/generate_s", 0.0) + out.get("time/generate_overlapped_s", 0.0)
             busy = max(gen, learner_s + out.get("time/rollout_wait_s", 0.0))

@@ -108,8 +108,14 @@ class AgentRunner:
             await client.close()
             self.endpoint.close(sid)
         ep = session.episode()
-        if termination == "done" and not ep.turn_ends:
-            termination, error = "env_error", f"env.agent {self.spec} returned without calling the model"
+        if not ep.turn_ends:  # no call answered: the sample is the task's prompt alone (its group is errored)
+            if termination == "done":
+                termination, error = "env_error", f"env.agent {self.spec} returned without calling the model"
+            if not ep.token_ids:
+                prompt = task["prompt"]
+                ep.append(session.renderer.initial(session.renderer.conversation(
+                    [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt))))
+                ep.prompt_len = len(ep.token_ids)
         if termination == "done" and ep.finish_reason == "length":
             termination = "truncated"
         if ep.turn_rewards and termination in ("done", "truncated"):
