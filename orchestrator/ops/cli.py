@@ -234,7 +234,7 @@ def _run_training_command(args, cfg: FleetConfig, fleet) -> None:
     else:
         from orchestrator.rl.driver import run_training
 
-        run_training(cfg, resume=args.resume, fleet=fleet)
+        run_training(cfg, resume=args.resume, fleet=fleet, checked=True)
 
 
 def _init_model(args) -> int:
@@ -339,9 +339,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def check_and_build(args, cfg: FleetConfig) -> None:
-    """`train`: every input checked (:func:`orchestrator.loops.prepare`) before Ray starts or a file is written;
-    the run builds the embedded model after its last check (:func:`orchestrator.rl.driver.run_training`). Other
+def check_and_build(args, cfg: FleetConfig) -> FleetConfig:
+    """`train`: every input checked (:func:`orchestrator.loops.prepare`, once: the prepared config is what the run
+    gets) before Ray starts or a file is written; the run builds the embedded model after its last check
+    (:func:`orchestrator.rl.driver.run_training`). Other
     commands: the model, built when it is the embedded one and missing (`eval`: the checkpoint it evaluates, after
     its selector is checked; the default model is not built for a checkpoint that is not it)."""
     command = args.command
@@ -353,13 +354,13 @@ def check_and_build(args, cfg: FleetConfig) -> None:
             if args.checkpoint in EMBEDDED_MODELS:
                 ensure_model(cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": args.checkpoint})}))
             resolve_model_dir(args.checkpoint)
-            return
+            return cfg
     if command != "train":
         ensure_model(cfg)
-        return
+        return cfg
     from orchestrator.loops import prepare
 
-    prepare(cfg)
+    return prepare(cfg)
 
 
 def main(argv: list[str] | None = None, fleet=None) -> int:
@@ -381,7 +382,7 @@ def main(argv: list[str] | None = None, fleet=None) -> int:
         if args.command == "config":
             return _config(args, overrides)
         cfg = load_run_config(args.config, overrides, args.stage)
-        check_and_build(args, cfg)
+        cfg = check_and_build(args, cfg)
         from rewards.reward_model import ensure_reward_model
 
         ensure_reward_model(cfg.reward.model.path, cfg.model.path)

@@ -421,14 +421,15 @@ def learner_metrics(m: dict) -> dict:
 
 
 def run_training(cfg: FleetConfig, resume: str | None = None, loop: type[Loop] | None = None,
-                 fleet: Fleet | None = None) -> list[dict]:
-    """Check the inputs, join or start Ray, then run the loop (``loop``: default the config's, :func:`orchestrator.
-    loops.loop_for`) on its own fleet, or on ``fleet`` (kept up after the run). The driver's own log goes to
-    ``<run.dir>/logs/driver.log``."""
+                 fleet: Fleet | None = None, checked: bool = False) -> list[dict]:
+    """Check the inputs (``checked``: the caller's ``prepare`` did), join or start Ray, then run the loop
+    (``loop``: default the config's, :func:`orchestrator.loops.loop_for`) on its own fleet, or on ``fleet`` (kept
+    up after the run). The driver's own log goes to ``<run.dir>/logs/driver.log``."""
     from orchestrator.loops import loop_for
 
     loop = loop or loop_for(cfg)
-    cfg = loop.prepare(cfg)  # a dataset for the embedded model is measured in its tokenizer's tokens, built or not
+    if not checked:  # a dataset for the embedded model is measured in its tokenizer's tokens, built or not
+        cfg = loop.prepare(cfg)
     if resume:
         ckpt.resolve(resume, Path(cfg.run.dir))  # a broken checkpoint is named before anything is written
     if fleet is None and not (cfg.run.ray_address or os.environ.get("RAY_ADDRESS")):

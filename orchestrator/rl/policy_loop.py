@@ -56,6 +56,8 @@ class PolicyLoop(Loop):
         check_rewards(cfg)
         if cfg.algorithm.uses_teacher:
             check_same_tokenizer(cfg)
+        if cfg.env.agent:
+            check_agent_template(cfg)
         return cfg
 
     @classmethod
@@ -384,6 +386,23 @@ def check_same_tokenizer(cfg: FleetConfig) -> None:
         raise ConfigError(f"distill.teacher: {teacher}'s tokenizer ({len(teacher_tok)} tokens) is not model.path's "
                           f"({len(student_tok)} tokens): on-policy distillation scores the student's token ids with "
                           "the teacher, so both need the same tokenizer (offline `fleetrl distill` does not)")
+
+
+def check_agent_template(cfg: FleetConfig) -> None:
+    """An agent talks to the model through its chat template, which must keep earlier turns as they were rendered
+    (exact tokens per session): a ConfigError naming ``env.agent`` and ``model.path`` otherwise."""
+    from orchestrator.config import ConfigError
+    from orchestrator.rl.launch import load_tokenizer
+    from workers.envs.renderers import TemplateNotPrefixPreserving, check_prefix_preserving
+
+    tok = load_tokenizer(cfg.model.path)
+    if not getattr(tok, "chat_template", None):
+        raise ConfigError(f"env.agent={cfg.env.agent}: the tokenizer of model.path={cfg.model.path} has no chat "
+                          "template (an agent's messages are rendered by it)")
+    try:
+        check_prefix_preserving(tok)
+    except TemplateNotPrefixPreserving as e:
+        raise ConfigError(f"env.agent={cfg.env.agent}: {e}") from None
 
 
 def samples_to_batch(samples: list, pad_id: int, mask_truncated: bool = False) -> TrainBatch:
