@@ -312,3 +312,12 @@ def test_an_agent_on_a_model_without_a_chat_template_is_refused_before_anything_
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "env.agent=examples.math_agent:solve" in proc.stderr, proc.stderr[-2000:]
     assert "no chat template" in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_an_openai_agents_sdk_agent_runs_against_the_endpoint_without_forks():
+    """examples/sdk_agent.py (the OpenAI Agents SDK runs the tool loop): its calls continue one trajectory."""
+    pytest.importorskip("agents")
+    tok = smollm2_tokenizer()
+    ep = run_agent("examples.sdk_agent:solve", [call_turn(tok, "2+3"), ids(tok, "5") + [2]])
+    assert ep.termination == "done" and ep.info.get("agent/forks", 0) == 0, ep.info
+    assert ep.turn_rewards == [0.0, 1.0] and ep.tool_calls == 1 and ep.messages[3]["content"] == "5"
