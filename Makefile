@@ -36,7 +36,7 @@ train: model
 
 # ruff (with its size rules C901 and PLR0913), and mypy on the learner and the config package ([tool.mypy])
 lint: setup
-	$(VENV)/bin/ruff check orchestrator workers learner rewards common tests
+	$(VENV)/bin/ruff check orchestrator workers learner rewards common tests examples
 	$(VENV)/bin/mypy
 
 test: setup lint
