@@ -260,6 +260,34 @@ def distill_compare(result: dict) -> str:
             f"teacher generation ({s['distill_prompts']} prompts) comes on top.\n\n{table}\n")
 
 
+def learning_real(result: dict) -> str:
+    """docs/results.md: fleetrl and TRL's GRPOTrainer on SmolLM2, several seeds each, scored outside both."""
+    base, n = result["base"]["last_int"], result["settings"]["eval_size"]
+    rows = [["base (both)", 0, "", f"{base['accuracy']:.3f}", "", "", ""]]
+    for r in result["summary"]:
+        rows.append([r["system"], r["step"], r["seeds"], f"{r['accuracy_mean']:.3f} +- {r['accuracy_sd']:.3f}",
+                     " ".join(f"{a:.2f}" for a in r["per_seed"]), f"{r['single_mean']:.3f}",
+                     f"{r['minutes_mean']:.1f} +- {r['minutes_sd']:.1f}"])
+    table = markdown_table(["system", "step", "seeds", f"outside accuracy, last int ({n} prompts): mean +- sd",
+                            "per seed", "single-answer rule", "training minutes"], rows)
+    return f"{provenance(result['meta'])} Seeds {result['settings']['seeds']}.\n\n{table}\n"
+
+
+def sampling_parity(result: dict) -> str:
+    """docs/results.md: a fleetrl engine's samples against transformers ``generate``'s, same model and settings."""
+    s = result["settings"]
+    ways = markdown_table(["direction", "tokens", "mean abs diff", "p99 abs diff", "max abs diff"],
+                          [[k.replace("_", " "), v["tokens"], f"{v['mean_abs']:.1e}", f"{v['p99_abs']:.1e}",
+                            f"{v['max_abs']:.1e}"] for k, v in result["both_ways"].items()])
+    rows = [[name, *(f"{v[r]['accuracy']:.3f} +- {v[r]['se']:.3f}" for r in ("last_int", "single", "math_verifier")),
+             v["mean_tokens"], v["ended_rate"], v["mean_logprob_per_token"]] for name, v in result["samplers"].items()]
+    table = markdown_table(["sampler", "last int", "single answer", "math verifier", "tokens/sample",
+                            "ended at end of turn", "logprob/token"], rows)
+    return (f"{provenance(result['meta'])} Temperature {s['temperature']:g}, top-p 1, no top-k; "
+            f"{result['samples']} samples each ({result['prompts']} prompts x 5). Accuracy gap (last int): "
+            f"{result['accuracy_gap_se']} standard errors.\n\n{ways}\n{table}\n")
+
+
 def async_cluster(result: dict) -> str:
     """docs section 13: verl's published fully async speed-ups beside the simulator's, calibrated on the colocated
     rows."""
@@ -304,9 +332,11 @@ TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "async_learning": ("async_learning.json", async_learning),
     "async_cluster": ("async_cluster.json", async_cluster),
     "distill_compare": ("distill_compare.json", distill_compare),
+    "learning_real": ("learning_real.json", learning_real),
+    "sampling_parity": ("sampling_parity.json", sampling_parity),
 }
 """Table name -> (result file in bench/results, renderer)."""
-DOCS = [DOC, Path("README.md"), Path("docs/recipes.md")]
+DOCS = [DOC, Path("README.md"), Path("docs/recipes.md"), Path("docs/results.md")]
 """The pages whose ``<!-- bench:NAME -->`` blocks are generated."""
 
 

@@ -139,7 +139,8 @@ def test_a_retried_call_replaces_its_turn_and_a_disconnected_one_leaves_no_trace
     async def agent(ep, session):
         client = client_for(ep)
         await client.chat.completions.create(model="policy", messages=messages)
-        await client.chat.completions.create(model="policy", messages=messages)  # the reply was lost: a retry
+        await client.chat.completions.create(model="policy", messages=messages,  # the reply was lost: a retry
+                                             extra_headers={"X-Stainless-Retry-Count": "1"})
         engine.delay_s = 30.0
         impatient = client_for(ep, timeout=0.5, max_retries=0)
         with pytest.raises(openai.APITimeoutError):
@@ -159,6 +160,31 @@ def test_a_retried_call_replaces_its_turn_and_a_disconnected_one_leaves_no_trace
     assert len(episode.turn_ends) == 1 and session.calls == 2
     assert [t for t, m in zip(episode.token_ids, episode.mask) if m] == ids(tok, "B") + [tok.eos_token_id]
     assert len(episode.token_ids) == episode.turn_ends[-1] + 1  # the aborted call's messages are not appended
+
+
+def test_the_same_call_sent_again_on_purpose_branches_from_the_same_ids():
+    """The openai client marks a first attempt with X-Stainless-Retry-Count: 0: the same messages again are a new
+    sample of the same state (a branch, counted as a fork), not a retry; its prompt is the exact same ids."""
+    tok = smollm2_tokenizer()
+    engine = Engine(tok, [ids(tok, "A") + [tok.eos_token_id], ids(tok, "B") + [tok.eos_token_id],
+                          ids(tok, "C") + [tok.eos_token_id]])
+    messages = [{"role": "user", "content": "Say a letter."}]
+
+    async def agent(ep, session):
+        client = client_for(ep)
+        first = (await client.chat.completions.create(model="policy", messages=messages)).choices[0].message
+        await client.chat.completions.create(model="policy", messages=[
+            *messages, first.model_dump(exclude_none=True), {"role": "user", "content": "Another."}])
+        await client.chat.completions.create(model="policy", messages=[
+            *messages, first.model_dump(exclude_none=True), {"role": "user", "content": "Another."}])
+        await client.close()
+        return session
+
+    session = asyncio.run(serve(tok, engine, agent))
+    episode = session.episode()
+    assert session.counts["forks"] == 1 and session.counts["retries"] == 0 and len(session.trajectories) == 2
+    assert engine.contexts[2] == engine.contexts[1]  # the branch starts from the very same ids
+    assert [t for t, m in zip(episode.token_ids, episode.mask) if m] == ids(tok, "A") + [2] + ids(tok, "C") + [2]
 
 
 def test_auth_bad_requests_and_streaming():

@@ -156,7 +156,7 @@ class Endpoint:
         async with lock:
             try:
                 call, overridden = parse_call(body, self.sampling)
-                traj, budget = session.prepare(call.messages, call.tools)
+                traj, budget = session.prepare(call.messages, call.tools, _retry(request))
             except BadRequest as e:
                 return self._bad(session, e)
             session.counts["overridden"] += overridden
@@ -191,6 +191,13 @@ class Endpoint:
     def _bad(self, session: Session, e: BadRequest):
         session.counts["bad_requests"] += 1
         return _error(400, str(e), "invalid_request_error", e.param)
+
+
+def _retry(request) -> bool | None:
+    """Whether the client says this request retries one it sent (the ``openai`` SDKs send
+    ``X-Stainless-Retry-Count``); None when it does not say."""
+    count = request.headers.get("X-Stainless-Retry-Count")
+    return None if count is None or not count.isdigit() else int(count) > 0
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None):

@@ -8,8 +8,10 @@ chat template after the ids the engine sampled (:meth:`ChatTemplateRenderer.afte
 renderer): the history is never decoded and re-tokenized. A call that extends no trajectory (the client edited
 or stripped an earlier reply, or sent other tools) starts a new trajectory from a fresh rendering of its
 messages: a **fork**, counted, never re-aligned; the earlier trajectory is dropped. A call that repeats the last
-call's messages exactly (the client retried after losing the reply) replaces that call's turn (a **retry**, not a
-second sample). The trajectory a call extended last is the session's sample; its loss mask is 1 exactly on the
+call's messages exactly is a **retry** when the client says so (the ``openai`` SDKs' ``X-Stainless-Retry-Count``
+header above 0) or does not say (no header): it replaces that call's turn, one sample, no orphan; sent again on
+purpose (the header at 0) it is a **branch**: a new trajectory from the same exact ids, counted as a fork. The
+trajectory a call extended last is the session's sample; its loss mask is 1 exactly on the
 sampled ids, and each turn records the policy version its request was sent with.
 """
 
@@ -94,6 +96,7 @@ class Trajectory:
     last_sampled: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # per token: the policy version that sampled it (else -1)
     forked: bool = False  # started by a call that extended no earlier trajectory of the session
+    fresh: bool = False  # started by the call in progress (taken back whole if that call gets no reply)
 
     def snapshot(self) -> tuple:
         return copy.deepcopy((self.episode, self.conversation, self.seen, self.last_sampled, self.versions))
@@ -116,14 +119,15 @@ class Session:
         self.calls = 0
 
     # -- one call -------------------------------------------------------------------------------------------
-    def prepare(self, messages: list, tools: list | None) -> tuple[Trajectory, int]:
-        """The trajectory this call continues (extended, replayed or new) and the most tokens it may sample."""
+    def prepare(self, messages: list, tools: list | None, retry: bool | None = None) -> tuple[Trajectory, int]:
+        """The trajectory this call continues (extended, replayed, branched or new) and the most tokens it may
+        sample. ``retry``: whether the client says the call is a retry of one it sent (None: it does not say)."""
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list", "messages")
         if self.calls >= self.limits.max_turns:
             raise BadRequest(f"this session has made its {self.limits.max_turns} calls (env.max_turns)", "messages")
         keys = [normalize(m) for m in messages]
-        traj = self._continue(messages, keys, tools)
+        traj = self._continue(messages, keys, tools, retry)
         self.calls += 1
         budget = self.limits.max_total_tokens - len(traj.episode.token_ids)
         if budget <= 0:
@@ -150,6 +154,7 @@ class Session:
         ep.tool_calls += len(message.get("tool_calls") or ())
         ep.tools_called += [c["function"]["name"] for c in message.get("tool_calls") or ()]
         traj.seen = [*traj.last_input, normalize(message)]
+        traj.fresh = False
         return message
 
     def abandon(self, traj: Trajectory) -> None:
@@ -160,7 +165,7 @@ class Session:
     def _undo(self, traj: Trajectory) -> None:
         """Take back a prepared call: the trajectory as it was before it (one it started is removed)."""
         self.calls -= 1
-        if not traj.seen:  # the call had started this trajectory
+        if traj.fresh:  # the call had started this trajectory
             self.trajectories.remove(traj)
             self.counts["forks"] -= traj.forked
             self.current = self.trajectories[-1] if self.trajectories else None
@@ -175,17 +180,17 @@ class Session:
         ep.info.update({f"agent/{k}": v for k, v in self.counts.items()})
         return ep
 
-    def token_versions(self) -> list[int]:
-        return list(self.current.versions) if self.current else []
-
     # -- internals --------------------------------------------------------------------------------------------
-    def _continue(self, messages: list, keys: list[tuple], tools: list | None) -> Trajectory:
+    def _continue(self, messages: list, keys: list[tuple], tools: list | None, retry: bool | None) -> Trajectory:
         if self.tools is not _UNSET and tools != self.tools:
             return self._fork(messages, keys, tools)
         for traj in reversed(self.trajectories):
-            if traj.last_input == keys and traj.undo is not None:  # the client retried: redo the last turn
-                traj.restore(traj.undo)
-                self.counts["retries"] += 1
+            if traj.last_input == keys and traj.undo is not None:  # the last call again
+                if retry is False:  # on purpose: a branch from the same ids
+                    traj = self._branch(traj)
+                else:  # a retry: redo the last turn
+                    traj.restore(traj.undo)
+                    self.counts["retries"] += 1
                 return self._extend(traj, messages, keys, len(traj.seen))
             n = len(traj.seen)
             if keys[:n] == traj.seen and len(keys) > n and all(k[0] != "assistant" for k in keys[n:]):
@@ -204,6 +209,15 @@ class Session:
         traj.last_input = keys
         return traj
 
+    def _branch(self, parent: Trajectory) -> Trajectory:
+        """A new trajectory at ``parent``'s state before its last call (the same exact ids), counted as a fork."""
+        episode, conversation, seen, last_sampled, versions = copy.deepcopy(parent.undo)
+        traj = Trajectory(episode, conversation, seen, last_sampled=last_sampled, versions=versions, forked=True,
+                          fresh=True)
+        self.counts["forks"] += 1
+        self.trajectories.append(traj)
+        return traj
+
     def _fork(self, messages: list, keys: list[tuple], tools: list | None) -> Trajectory:
         forked = bool(self.trajectories)
         self.counts["forks"] += forked
@@ -213,7 +227,7 @@ class Session:
         ep = Episode()
         ep.append(self.renderer.initial(conversation))
         ep.prompt_len = len(ep.token_ids)
-        traj = Trajectory(ep, conversation, [], versions=[-1] * len(ep.token_ids), forked=forked)
+        traj = Trajectory(ep, conversation, [], versions=[-1] * len(ep.token_ids), forked=forked, fresh=True)
         self.trajectories.append(traj)
         return self._extend(traj, messages, keys, 0)
 
