@@ -69,11 +69,12 @@ def correct(reply: str | None, answer: str) -> bool:
     return bool(numbers) and numbers[-1] == str(answer)
 
 
-async def solve(client, task: dict, model: str = "policy", max_turns: int = 3) -> float:
+async def solve(client, task: dict, model: str = "policy", max_turns: int = 3, **sampling) -> float:
     """Ask, run the tools the model calls, and return 1.0 when the final reply's last number is the answer."""
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["prompt"]}]
     for _ in range(max_turns):
-        reply = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=64)
+        reply = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=64,
+                                                     **sampling)
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
@@ -97,12 +98,13 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--api-key", default="none")
     ap.add_argument("--n", type=int, default=20)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (an evaluation)")
     args = ap.parse_args()
     client = openai.AsyncOpenAI(base_url=args.base_url, api_key=args.api_key)
     tasks = [{**p.metadata, "prompt": p.text} for p in ToolChoiceTask().eval_set(args.n)]
 
     async def run():
-        return await asyncio.gather(*(solve(client, t, args.model) for t in tasks))
+        return await asyncio.gather(*(solve(client, t, args.model, temperature=args.temperature) for t in tasks))
 
     rewards = asyncio.run(run())
     print(json.dumps({"n": len(rewards), "accuracy": sum(rewards) / len(rewards)}))
