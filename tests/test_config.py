@@ -179,3 +179,13 @@ def test_on_policy_distill_samples_the_students_own_distribution(override):
     with pytest.raises(ConfigError, match="rollout.temperature=1.0 and rollout.top_p=1.0"):
         load_config(None, ["algorithm.name=on_policy_distill", override])
     assert load_config(None, ["algorithm.name=grpo", override])
+
+
+def test_run_seed_seeds_every_part_and_a_contradicting_section_seed_is_refused():
+    cfg = load_config(None, ["run.seed=7"])
+    assert (cfg.data.seed, cfg.rollout.seed, cfg.trainer.seed) == (7, 7, 7)
+    assert load_config(None, ["run.seed=7", "trainer.seed=7"]).trainer.seed == 7  # saying it twice is fine
+    with pytest.raises(ConfigError, match=r"run.seed=7 sets data.seed, rollout.seed and trainer.seed; rollout.seed=3"):
+        load_config(None, ["run.seed=7", "rollout.seed=3"])
+    resolved = load_config(None, ["run.seed=7"])  # a resolved config (a checkpoint's) loads as it was written
+    assert FleetConfig.model_validate(resolved.model_dump()).data.seed == 7

@@ -215,7 +215,7 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
             hint = f"; it is a setting of algorithm.name={'|'.join(owners)}" if parent in ALGORITHMS and owners \
                 else ""
             lines.append(f"  {key}: unknown key (allowed here: {allowed}){hint}")
-        elif e["type"] == "union_tag_invalid":
+        elif e["type"] == "union_tag_invalid" or not e["loc"]:  # a cross-field check names its keys itself
             lines.append(f"  {key}: {e['msg']}")
         else:
             lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
