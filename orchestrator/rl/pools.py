@@ -117,14 +117,16 @@ class ActorPool:
             log.info("%s pool resized %d -> %d in %.1fs", self.role, before, count, time.perf_counter() - t0)
 
     def fan_out(self, call, parts: list) -> list:
-        """``call(worker, part)`` -> ObjectRef on every worker with a non-empty part; results in part order."""
+        """``call(worker, part)`` -> ObjectRef on every worker with a non-empty part; results in part order. A
+        worker that died on the way (killed, crashed, or stopped by Ray's memory monitor) is replaced and its part
+        sent again; one whose method raised is named with its log."""
         refs = {i: call(self.workers[i], p) for i, p in enumerate(parts) if p}
         out = {}
         while refs:
             i, ref = next(iter(refs.items()))
             try:
                 out[i] = ray.get(ref)
-            except ray.exceptions.RayActorError as e:
+            except DIED as e:
                 self.restart(i, e)
                 refs[i] = call(self.workers[i], parts[i])
                 continue
@@ -132,6 +134,11 @@ class ActorPool:
                 raise actor_failed(self.workers[i], e) from e
             del refs[i]
         return [out[i] for i in sorted(out)]
+
+
+DIED = (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError, ray.exceptions.WorkerCrashedError)
+"""What a call on a dead actor raises: the actor process is gone (its Ray memory monitor's kill is an
+``OutOfMemoryError``, not a ``RayActorError``)."""
 
 
 class RolloutPool(ActorPool):
@@ -568,7 +575,7 @@ def get_ranks(refs: list, group: str = "learner") -> list:
     for rank, ref in enumerate(refs):  # all are in flight already: getting them in order costs nothing
         try:
             out.append(ray.get(ref))
-        except ray.exceptions.RayActorError as e:
+        except DIED as e:
             name = actor_label(e) or actor_label(f"{group}-{rank}") or f"a {group} rank"
             raise LearnerDied(f"{name} died ({type(e).__name__}); the group cannot continue without it") from e
         except ray.exceptions.RayTaskError as e:
