@@ -12,7 +12,8 @@ in fp32 on the GRPO demo's chat prompts (``configs/smollm2_arith.yaml``), temper
    scored by :mod:`bench.outside_eval`'s two rules and fleetrl's ``math`` verifier: accuracy with its binomial
    standard error, the difference in standard errors, mean completion length and end-of-turn rate.
 
-Both in one process on the machine's cores, the engine first (it is freed before transformers runs).
+Both in one process on the machine's cores: transformers samples first, then the engine samples and scores them,
+then transformers scores the engine's samples.
 """
 
 from __future__ import annotations
@@ -45,17 +46,26 @@ def engine_samples(cfg, prompts, per_prompt: int, temperature: float, seed: int)
     return engine, samples, time.perf_counter() - t
 
 
-def hf_logprobs(model, sequences: list[tuple[list[int], list[int]]], temperature: float) -> list[list[float]]:
-    """transformers' logprob of each completion token given everything before it (log-softmax of logits / T)."""
+def hf_logprobs(model, sequences: list[tuple[list[int], list[int]]], temperature: float, pad: int,
+                batch: int = 25) -> list[list[float]]:
+    """transformers' logprob of each completion token given everything before it (log-softmax of logits / T), in
+    left-padded batches (the attention mask and position ids make padding invisible)."""
     import torch
 
     out = []
     with torch.no_grad():
-        for prompt, completion in sequences:
-            ids = torch.tensor([list(prompt) + list(completion)])
-            logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature
+        for i in range(0, len(sequences), batch):
+            chunk = [list(p) + list(c) for p, c in sequences[i:i + batch]]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[pad] * (width - len(x)) + x for x in chunk])
+            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in chunk])
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float() / temperature
             lp = torch.log_softmax(logits, dim=-1)
-            out.append(lp[torch.arange(len(completion)), torch.tensor(completion)].tolist())
+            for k, (_, completion) in enumerate(sequences[i:i + batch]):
+                start = width - len(completion)  # completion tokens sit at the right end
+                rows = torch.arange(start - 1, width - 1)
+                out.append(lp[k, rows, torch.tensor(completion)].tolist())
     return out
 
 
@@ -129,15 +139,21 @@ def main(argv: list[str] | None = None) -> None:
     per_prompt = 5
     cfg = load_config(CONFIG, [f"rollout.temperature={args.temperature}", "rollout.num_workers=1"])
     prompts = make_task_from_config(cfg.data).eval_set(n // per_prompt)
-    engine, fl, fl_s = engine_samples(cfg, prompts, per_prompt, args.temperature, args.seed)
-    prompt_ids = [s.prompt_ids for s in fl[::per_prompt]]
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    from workers.prompts import PromptRenderer, pad_token_id
+
+    renderer = PromptRenderer(tok, cfg.data.prompt_format, cfg.data.system_prompt)  # the engine's own rendering
+    prompt_ids = [renderer.render(p.text)[1] for p in prompts]
+    # transformers first: the in-process vLLM engine would leave torch one thread
     hf, hf_s = hf_samples(model, tok, prompt_ids, per_prompt, cfg.rollout.max_new_tokens, args.temperature,
                           args.seed)
+    engine, fl, fl_s = engine_samples(cfg, prompts, per_prompt, args.temperature, args.seed)
+    assert [s.prompt_ids for s in fl[::per_prompt]] == prompt_ids, "the engine rendered other prompt ids"
+    torch.set_num_threads(2)
     both_ways = {"engine_samples_scored_by_transformers": diff_stats(
         [s.logprobs for s in fl], hf_logprobs(model, [(s.prompt_ids, s.completion_ids) for s in fl],
-                                              args.temperature))}
+                                              args.temperature, pad_token_id(tok)))}
     if args.temperature == 1.0:
         both_ways["generate_samples_scored_by_engine"] = diff_stats(
             [lp for _, _, lp in hf], engine.token_logprobs([(p, c) for p, c, _ in hf]))
