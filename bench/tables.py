@@ -285,7 +285,7 @@ def sampling_parity(result: dict) -> str:
                             "ended at end of turn", "logprob/token"], rows)
     return (f"{provenance(result['meta'])} Temperature {s['temperature']:g}, top-p 1, no top-k; "
             f"{result['samples']} samples each ({result['prompts']} prompts x 5). Accuracy gap (last int): "
-            f"{result['accuracy_gap_se']} standard errors.\n\n{ways}\n{table}\n")
+            f"{result['accuracy_gap_se']} standard errors.\n\n{ways}\n\n{table}\n")
 
 
 def async_cluster(result: dict) -> str:
