@@ -29,9 +29,11 @@ def measure(s: dict) -> dict:
     from orchestrator.rl.launch import make_task, max_model_len
     from orchestrator.rl.pools import RolloutPool
 
-    common = ["model.path=.fleetrl/models/smollm2-135m-instruct", "rollout.num_workers=2",  # the base, both ways
-              f"rollout.group_size={s['G']}", "rollout.max_new_tokens=64", "env.max_total_tokens=640"]
-    configs = {"Environment (env.name: tool)": config_or_stage("configs/smollm2_tools.yaml", common),
+    common = ["rollout.num_workers=2", f"rollout.group_size={s['G']}", "rollout.max_new_tokens=64",
+              "env.max_total_tokens=640"]
+    tools = config_or_stage("configs/smollm2_tools.yaml", common)
+    tools.model.path = ".fleetrl/models/smollm2-135m-instruct"  # the base (the recipe's RL stage starts after SFT)
+    configs = {"Environment (env.name: tool)": tools,
                "agent code (env.agent)": config_or_stage("configs/smollm2_agent.yaml", common)}
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
