@@ -45,8 +45,8 @@ def measure(s: dict) -> dict:
                 pool = RolloutPool(cfg, max_model_len=max_model_len(cfg))
             pool.cfg = cfg  # what its generate() runs: this config's episodes
             prompts = make_task(cfg).train_batch(0, s["prompts"])
-            pool.generate(prompts, s["G"], 1.0, 1)  # warm-up (another seed)
-            sec, samples = timed(lambda p=pool, q=prompts: p.generate(q, s["G"], 1.0, 0), s["reps"])
+            pool.generate(prompts, s["G"], 1.0, 99)  # warm-up (another seed)
+            sec, samples = timed(lambda seed, p=pool, q=prompts: p.generate(q, s["G"], 1.0, seed), s["reps"])
             eps = [x.episode for x in samples]
             out[name] = {"seconds": sec, "episodes": len(samples), "episodes_per_s": len(samples) / sec,
                          "sampled_tokens_per_s": sum(sum(x.loss_mask) for x in samples) / sec,
