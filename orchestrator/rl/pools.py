@@ -117,9 +117,8 @@ class ActorPool:
             log.info("%s pool resized %d -> %d in %.1fs", self.role, before, count, time.perf_counter() - t0)
 
     def fan_out(self, call, parts: list) -> list:
-        """``call(worker, part)`` -> ObjectRef on every worker with a non-empty part; results in part order. A
-        worker that died on the way (killed, crashed, or stopped by Ray's memory monitor) is replaced and its part
-        sent again; one whose method raised is named with its log."""
+        """``call(worker, part)`` -> ObjectRef on every worker with a non-empty part; results in part order. A worker
+        that died on the way (:data:`DIED`) is replaced and its part sent again; one that raised is named."""
         refs = {i: call(self.workers[i], p) for i, p in enumerate(parts) if p}
         out = {}
         while refs:
@@ -137,8 +136,7 @@ class ActorPool:
 
 
 DIED = (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError, ray.exceptions.WorkerCrashedError)
-"""What a call on a dead actor raises: the actor process is gone (its Ray memory monitor's kill is an
-``OutOfMemoryError``, not a ``RayActorError``)."""
+"""What a call on a dead actor raises (Ray's memory monitor's kill is an ``OutOfMemoryError``)."""
 
 
 class RolloutPool(ActorPool):
@@ -186,10 +184,9 @@ class RolloutPool(ActorPool):
     def generate(self, prompts: list[Prompt], group_size: int, temperature: float, seed: int | None,
                  prefixes: list[list[int]] | None = None, stop: list[str] | None = None,
                  max_new_tokens: int | None = None) -> list[Sample]:
-        """``group_size`` samples per prompt, grouped by prompt: completions, or with ``env.name`` (or ``env.agent``)
-        set multi-turn episodes (each sample one episode, :meth:`RolloutWorker.run_episodes`). ``prefixes``,
-        ``stop``: continue partial solutions, stop at extra strings (see :meth:`RolloutWorker.generate`);
-        ``max_new_tokens``: instead of ``rollout.max_new_tokens``."""
+        """``group_size`` samples per prompt, grouped by prompt: completions, or multi-turn episodes (``env.name`` or
+        ``env.agent``; :meth:`RolloutWorker.run_episodes`). ``prefixes``, ``stop``: continue partial solutions, stop
+        at extra strings (:meth:`RolloutWorker.generate`); ``max_new_tokens``: instead of ``rollout.max_new_tokens``."""
         r = self.cfg.rollout
         items = [(p.uid, p.text, p.metadata) for p in prompts]
         if prefixes is not None:
