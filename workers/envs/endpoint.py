@@ -30,6 +30,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from workers.envs.renderers import ChatTemplateRenderer
 from workers.envs.sessions import BadRequest, Session, SessionLimits
 
 OVERRIDABLE = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "min_p",
@@ -88,6 +89,7 @@ class Endpoint:
         self.tokenizer, self.model_name, self.limits = tokenizer, model_name, limits
         self.sampling, self.system_prompt, self.host = sampling, system_prompt, host
         self.token = secrets.token_urlsafe(24)
+        self.renderer = ChatTemplateRenderer(tokenizer, None, system_prompt)  # template checked once, not per session
         self.sessions: dict[str, tuple[Session, object, object, asyncio.Lock]] = {}
         self.counts: Counter = Counter()
         self.port = 0
@@ -120,7 +122,7 @@ class Endpoint:
         :class:`workers.engine_loop.Completion`) and stamp ``version()`` when each request is sent."""
         if sid in self.sessions:
             raise ValueError(f"session {sid!r} is already open")
-        session = Session(sid, self.tokenizer, self.limits, self.system_prompt)
+        session = Session(sid, self.tokenizer, self.limits, self.system_prompt, self.renderer)
         self.sessions[sid] = (session, generate, version, asyncio.Lock())
         return session
 

@@ -108,9 +108,12 @@ class Trajectory:
 class Session:
     """One agent run's calls (see the module docstring). ``prepare`` then ``record`` per call."""
 
-    def __init__(self, sid: str, tokenizer, limits: SessionLimits, system_prompt: str | None = None):
+    def __init__(self, sid: str, tokenizer, limits: SessionLimits, system_prompt: str | None = None,
+                 renderer: ChatTemplateRenderer | None = None):
+        """``renderer``: one already built for ``tokenizer`` (its template checked once), copied: a session sets
+        its own tools on it."""
         self.sid, self.tokenizer, self.limits, self.system_prompt = sid, tokenizer, limits, system_prompt
-        self.renderer = ChatTemplateRenderer(tokenizer, None, system_prompt)
+        self.renderer = copy.copy(renderer) if renderer else ChatTemplateRenderer(tokenizer, None, system_prompt)
         self.inline_calls = "tool_calls" not in (tokenizer.chat_template or "")
         self.trajectories: list[Trajectory] = []
         self.current: Trajectory | None = None
