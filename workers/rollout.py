@@ -81,6 +81,7 @@ class RolloutWorker(LoggedActor):
 
             kwargs.update(engine_kwargs(lora))
         if _on_cpu():
+            _allow_amx()
             kwargs["kv_cache_memory_bytes"] = int(spec.kv_cache_gib * 2**30)
             # whole prompts only: vLLM's CPU runner crashes ("CPU Generator does not use offset") when a seeded
             # request's prefill is split across steps, which happens once a call's new prompt tokens pass the
@@ -402,6 +403,18 @@ def _sample_seed(seed: int, uid: str, j: int) -> int:
     import zlib
 
     return (seed * 1_000_003 + zlib.crc32(f"{uid}/{j}".encode())) % (2**31 - 1)
+
+
+def _allow_amx() -> None:
+    """Ask Linux for the AMX tile state before the engine runs: vLLM's CPU attention picks its AMX kernels for
+    bf16 when the CPU has AMX (``torch.cpu._is_amx_tile_supported``) but never requests the tile-data permission
+    (``arch_prctl(ARCH_REQ_XCOMP_PERM)``), so its first bf16 forward dies with SIGILL on AMX machines (Sapphire and
+    Emerald Rapids). torch's ``_init_amx`` makes that request; a no-op where AMX is absent."""
+    import torch
+
+    if torch.cpu._is_amx_tile_supported() and not torch._C._cpu._init_amx():
+        raise RuntimeError("this CPU reports AMX but Linux refused its tile state (arch_prctl ARCH_REQ_XCOMP_PERM); "
+                           "bf16 engines would die with SIGILL: use rollout.dtype=float32")
 
 
 def _on_cpu() -> bool:
