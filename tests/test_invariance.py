@@ -5,7 +5,7 @@ loss is the micro-batch's additive share of the minibatch loss (global counts in
 multiplies it by ``world_size`` to undo DeepSpeed's averaging of gradients over ranks, and it says itself where the
 gradient-accumulation boundary falls. The shipped GPU config runs ZeRO-3, which no other test starts.
 
-Each configuration is a :class:`orchestrator.rl.pools.LearnerGroup` built from ``load_config`` overrides, as the
+Each configuration is a :class:`orchestrator.rl.learner_group.LearnerGroup` built from ``load_config`` overrides, as the
 trainer builds it, with 8 sequences per step and ``learner.micro_batch_size`` 4, so the config derives
 (``micro_batches_per_rank``) 1 rank x 2 micro-batches (gradient accumulation) or 2 ranks x 1 micro-batch (data
 parallel); each with ZeRO 0, 2 and 3, fp32. Every one gets the same fixed :class:`TrainBatch` and runs one update as
@@ -95,7 +95,7 @@ def _bucketed_weights(group) -> dict[str, torch.Tensor]:
 def _pushed_weights(group) -> dict[str, torch.Tensor]:
     """The collective push as ``Run.push_weights`` runs it, with this process as the one engine worker of the
     gloo weight group (rank 1)."""
-    from orchestrator.rl.pools import get_ranks
+    from orchestrator.rl.learner_group import get_ranks
     from workers.nccl_sync import receive_buckets, weight_communicator
 
     plans = group.weight_plans(BUCKET_MB)
@@ -116,7 +116,7 @@ def update(tmp_path_factory):
     import ray
 
     from orchestrator.rl.launch import ensure_model
-    from orchestrator.rl.pools import LearnerGroup, gather_metrics
+    from orchestrator.rl.learner_group import LearnerGroup, gather_metrics
 
     env = {"RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", **shared_ray_env()}
     cache: dict = {}

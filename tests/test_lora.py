@@ -42,7 +42,7 @@ def _rank(model_dir: str, dsc: dict, lora: dict | None, role: str = "actor"):
     under DeepSpeed config ``dsc``."""
     from learner.algorithms import critic_loss_kwargs, loss_kwargs
     from learner.worker import LearnerSpec, LearnerWorker
-    from orchestrator.rl.pools import _free_port
+    from orchestrator.rl.learner_group import _free_port
     from orchestrator.rl.specs import learner_layout
 
     algo = "ppo" if role == "critic" else "grpo"

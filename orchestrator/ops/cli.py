@@ -273,7 +273,7 @@ def _training(run, cfg: FleetConfig) -> int:
     from orchestrator.ops.console import describe_failure
     from orchestrator.rl.collect import RewardsFailing
     from orchestrator.rl.driver import BadTraining, CheckpointFailed
-    from orchestrator.rl.pools import LearnerDied
+    from orchestrator.rl.learner_group import LearnerDied
 
     try:
         run()

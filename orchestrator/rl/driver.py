@@ -28,7 +28,7 @@ from orchestrator.rl import checkpoint as ckpt
 from orchestrator.rl.episode_metrics import eval_episode_metrics
 from orchestrator.rl.fleet import Fleet, Roles, check_resources, check_this_machine
 from orchestrator.rl.launch import ensure_model, init_ray, load_tokenizer, make_task
-from orchestrator.rl.pools import LearnerDied, Update, gather_update
+from orchestrator.rl.learner_group import LearnerDied, Update, gather_update
 from rewards.functions import verdicts, verify_timeouts
 from workers.prompts import pad_token_id
 from workers.records import Collected

@@ -60,14 +60,15 @@ def training_roles(cfg: FleetConfig, generates: bool, engine_evals: bool = True)
 
 class Fleet:
     """The actor groups of one command (None where a role is not used): ``learner``, ``critic``
-    (:class:`~orchestrator.rl.pools.LearnerGroup`), ``rollouts``, ``rewards``, ``envs``, ``prm``, ``orm``,
+    (:class:`~orchestrator.rl.learner_group.LearnerGroup`), ``rollouts``, ``rewards``, ``envs``, ``prm``, ``orm``,
     ``feedback``, ``teacher`` (pools), ``controller`` and, with a learner and engines, ``weight_sync``."""
 
     def __init__(self, cfg: FleetConfig, roles: Roles, judge=None):
         """Create every group of ``roles`` without waiting (see :meth:`start`). ``judge``: the ``judge`` reward
         (:class:`rewards.judge.Judge`), asked through the feedback engines or the policy's."""
         from orchestrator.rl.launch import max_model_len
-        from orchestrator.rl.pools import EnvPool, LearnerGroup, PRMPool, RewardPool, RolloutPool
+        from orchestrator.rl.learner_group import LearnerGroup
+        from orchestrator.rl.pools import EnvPool, PRMPool, RewardPool, RolloutPool
 
         self.cfg, self.roles, self.startup_s = cfg, roles, None
         self.kept: list[str] = []  # the groups the last run served kept from the run before it (serve)

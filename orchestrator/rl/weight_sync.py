@@ -25,7 +25,8 @@ import time
 
 from learner.batch import build_batch
 from orchestrator.config import FleetConfig
-from orchestrator.rl.pools import LearnerGroup, RolloutPool, get_ranks
+from orchestrator.rl.learner_group import LearnerGroup, get_ranks
+from orchestrator.rl.pools import RolloutPool
 from rewards.tasks import Prompt
 
 log = logging.getLogger("fleetrl")
