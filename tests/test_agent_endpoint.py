@@ -347,3 +347,56 @@ def test_an_openai_agents_sdk_agent_runs_against_the_endpoint_without_forks():
     ep = run_agent("examples.sdk_agent:solve", [call_turn(tok, "2+3"), ids(tok, "5") + [2]])
     assert ep.termination == "done" and ep.info.get("agent/forks", 0) == 0, ep.info
     assert ep.turn_rewards == [0.0, 1.0] and ep.tool_calls == 1 and ep.messages[3]["content"] == "5"
+
+
+def test_an_agent_outside_the_fleet_claims_calls_rewards_and_finishes_its_sessions():
+    """`env.agent: external`: three runs offered; an outside agent (plain HTTP + the openai client) claims two and
+    finishes them (one with a reward posted first, one with a bad reward refused), the third is never claimed and
+    times out. Control calls need the token; a finished session cannot be finished again."""
+    import httpx
+
+    tok = smollm2_tokenizer()
+    engine = Engine(tok, [ids(tok, "It is 5") + [2], ids(tok, "It is 6") + [2]])
+    env = {"agent": "external", "episode_timeout_s": 3.0, "max_turns": 4, "max_total_tokens": 512}
+    runner = AgentRunner(env, tok, 64, {"temperature": 1.0, "top_p": 1.0}, "rollout-0")
+    port = runner.endpoint.port
+    assert port > 0  # fixed before serving: the address agents outside read stays the same across calls
+
+    async def outside(http, url, auth):
+        assert (await http.post(f"{url}/v1/sessions")).status_code == 401
+        first = (await http.post(f"{url}/v1/sessions", headers=auth, json={"wait_s": 5})).json()
+        second = (await http.post(f"{url}/v1/sessions", headers=auth)).json()
+        assert first["task"] == {"answer": "5", "prompt": "What is 2 + 3?"} and first["session_id"] != second[
+            "session_id"]
+        for claimed, expect in ((first, "It is 5"), (second, "It is 6")):
+            client = openai.AsyncOpenAI(base_url=claimed["base_url"], api_key=runner.endpoint.token)
+            reply = await client.chat.completions.create(model=claimed["model"], messages=[
+                {"role": "user", "content": claimed["task"]["prompt"]}])
+            assert reply.choices[0].message.content == expect
+            await client.close()
+        sid = first["session_id"]
+        bad = await http.post(f"{url}/sessions/{sid}/reward", headers=auth, json={"reward": "good"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "reward"
+        assert (await http.post(f"{url}/sessions/{sid}/reward", headers=auth, json={"reward": {"a": 0.5, "b": 0.25}})
+                ).status_code == 200
+        assert (await http.post(f"{url}/sessions/{sid}/finish", headers=auth)).json()["finished"]
+        assert (await http.post(f"{url}/sessions/{sid}/finish", headers=auth)).status_code == 404
+        assert (await http.post(f"{url}/sessions/{second['session_id']}/finish", headers=auth,
+                                json={"reward": 1.0})).status_code == 200
+
+    async def main():
+        async with runner.serving():
+            url, auth = runner.endpoint.address()["url"], {"Authorization": f"Bearer {runner.endpoint.token}"}
+            runs = [runner.episode("What is 2 + 3?", {"answer": "5"}, lambda: 3, lambda turn: turn)
+                    for _ in range(3)]
+            gen = lambda ids_, n, seed, stop: engine.generate(ids_, n, stop)  # noqa: E731
+            async with httpx.AsyncClient(trust_env=False) as http:
+                assert (await http.post(f"{url}/v1/sessions", headers=auth)).status_code == 204  # none offered yet
+                eps = await asyncio.gather(*(run(gen) for run in runs), outside(http, url, auth))
+        return eps[:3]
+
+    first, second, third = asyncio.run(main())
+    assert (first.termination, first.turn_rewards) == ("done", [0.75])
+    assert (second.termination, second.turn_rewards) == ("done", [1.0])
+    assert third.termination == "timeout" and third.info.get("agent/unclaimed") == 1
+    assert third.prompt_len == len(third.token_ids) > 0  # the task's prompt, no turn

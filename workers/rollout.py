@@ -225,12 +225,8 @@ class RolloutWorker(LoggedActor):
         import asyncio
 
         from workers.engine_loop import run_all
-        from workers.episodes import EpisodeFactory
 
-        if self.episodes is None or self.episodes.env != env or self.episodes.env_actors != list(env_actors or []):
-            self.episodes = EpisodeFactory(env, self.tokenizer, max_new_tokens, env_actors, self.name,
-                                           lambda: self.policy_version)
-        factory = self.episodes
+        factory = self._factory(env, max_new_tokens, env_actors)
 
         def params_for(max_tokens: int, turn_seed: int | None, stop: list[str] | None = None):
             stops = factory.renderer.stop + self.stop + list(stop or [])
@@ -250,6 +246,26 @@ class RolloutWorker(LoggedActor):
                    for (uid, j, meta, _), ep in zip(jobs, episodes)]
         self.generated_tokens += sum(sum(s.loss_mask) for s in samples)
         return samples
+
+    def _factory(self, env: dict, max_new_tokens: int, env_actors: list | None):
+        """The :class:`EpisodeFactory` of ``env`` (kept while the env config and its actors stay the same)."""
+        from workers.episodes import EpisodeFactory
+
+        if self.episodes is None or self.episodes.env != env or self.episodes.env_actors != list(env_actors or []):
+            self.episodes = EpisodeFactory(env, self.tokenizer, max_new_tokens, env_actors, self.name,
+                                           lambda: self.policy_version)
+        return self.episodes
+
+    def agent_address(self, env: dict, max_new_tokens: int) -> dict:
+        """Where agents outside the fleet (``env.agent: external``) reach this actor's endpoint for ``env``:
+        ``{"worker", "url", "token"}``; a wildcard ``env.endpoint_host`` is advertised as the node's IP."""
+        address = self._factory(env, max_new_tokens, None).agent.endpoint.address()
+        if env.get("endpoint_host") in ("0.0.0.0", "::", ""):
+            import ray
+
+            port = address["url"].rsplit(":", 1)[1]
+            address["url"] = f"http://{ray.util.get_node_ip_address()}:{port}"
+        return {"worker": self.name, **address}
 
     def stream_start(self, temperature: float, top_p: float) -> None:
         """Generate on the engine's own thread from now on (:mod:`workers.stream`): samples submitted with

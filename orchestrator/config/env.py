@@ -49,9 +49,12 @@ class EnvConfig(Section):
     """`package.module:function`: agent code written against the `openai` client, as the environment. An `async
     def fn(client, task) -> reward` (a number or a dict of numbers, summed) run G times per prompt, each run one
     session of the rollout actor's OpenAI-compatible endpoint (`client` is an `openai.AsyncOpenAI` pointed at it);
-    the tokens its calls sampled are the sample. Replaces `name` (see docs/agents.md)."""
+    the tokens its calls sampled are the sample. Replaces `name`. `external`: the agents run outside the fleet
+    and claim, call and finish their sessions through the endpoints listed in `<run.dir>/agent_endpoints.json`
+    (see docs/agents.md)."""
     endpoint_host: str = "127.0.0.1"
-    """Address the agent endpoint binds (loopback: only the rollout actor's own process reaches it)."""
+    """Address the agent endpoint binds (loopback: only processes on the rollout actor's node reach it; `0.0.0.0`
+    for external agents on other machines, the endpoint then advertised at the node's IP)."""
     args: dict = Field(default_factory=dict)
     """Keyword arguments for the environment's constructor."""
     num_workers: int = Field(0, ge=0, le=1024)

@@ -48,13 +48,14 @@ def episode_metrics(samples: list) -> dict:
     return out
 
 
-AGENT_COUNTERS = ("forks", "retries", "aborted", "bad_requests", "overridden")
+AGENT_COUNTERS = ("forks", "retries", "aborted", "bad_requests", "overridden", "unclaimed")
 
 
 def agent_metrics(eps: list) -> dict:
     """Agent episodes (``env.agent``): runs that raised (``agent/errors``) or ran out of time (``agent/timeouts``),
     and the endpoint's counts summed over the step's sessions (forked histories, client retries, calls the client
-    abandoned, requests answered 400, sampling settings answered with the run's)."""
+    abandoned, requests answered 400, sampling settings answered with the run's, runs no agent outside the fleet
+    claimed)."""
     out = {"agent/errors": sum(e.termination == "env_error" for e in eps),
            "agent/timeouts": sum(e.termination == "timeout" for e in eps),
            "agent/calls_mean": sum(e.counters.get("agent/calls", 0) for e in eps) / len(eps)}

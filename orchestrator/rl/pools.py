@@ -139,7 +139,8 @@ class RolloutPool(ActorPool):
 
     def __init__(self, cfg: FleetConfig, max_model_len: int, current_weights=None, envs: EnvPool | None = None):
         """``current_weights``: a callable giving the learner's current weights as bucket ObjectRefs (see
-        :meth:`~orchestrator.rl.learner_group.LearnerGroup.weight_buckets`), for engines that join a pool whose pushes keep no buckets.
+        :meth:`~orchestrator.rl.learner_group.LearnerGroup.weight_buckets`), for engines that join a pool whose
+        pushes keep no buckets.
         ``envs``: the `env-i` actors hosting the episodes' environments (``env.num_workers`` > 0)."""
         self.cfg = cfg
         self.envs = envs
@@ -192,12 +193,28 @@ class RolloutPool(ActorPool):
         if self.cfg.env.multi_turn:
             env = env_spec(self.cfg)
             actors = self.envs.workers if self.envs else None
+            if self.cfg.env.agent == "external":
+                self.publish_agent_endpoints(env)
             outs = self.fan_out(lambda w, part: w.run_episodes.remote(part, group_size, env, r.max_new_tokens,
                                                                       temperature, r.top_p, seed, actors), parts)
         else:
             outs = self.fan_out(lambda w, part: w.generate.remote(part, group_size, max_new_tokens or r.max_new_tokens,
                                                                   temperature, r.top_p, seed, None, stop), parts)
         return [s for out in outs for s in out]
+
+    def publish_agent_endpoints(self, env: dict) -> None:
+        """``<run.dir>/agent_endpoints.json``: every engine's endpoint address and token, for agents outside the
+        fleet (``env.agent: external``); rewritten before each call (a replaced actor has a new address)."""
+        import json
+        from pathlib import Path
+
+        budget = self.cfg.rollout.max_new_tokens
+        addresses = ray.get([w.agent_address.remote(env, budget) for w in self.workers])
+        path = Path(self.cfg.run.dir) / "agent_endpoints.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"endpoints": addresses}, indent=1))
+        tmp.replace(path)
 
     def option_logprobs(self, prompts: list[list[dict]], prefix: str,
                         option_ids: list[int]) -> list[list[float] | None]:

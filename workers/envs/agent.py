@@ -12,6 +12,12 @@ return value is the run's reward, placed on its last turn (added to ``reward.fun
 reply); a dict of numbers is summed. A run that raises, returns no number or made no call ends as ``env_error``,
 one past ``env.episode_timeout_s`` (wall time, the model's turns included) as ``timeout``: both count as errored
 (``env.errored``: the group dropped by default), never a crashed step.
+
+``env.agent: external``: the agents run outside the fleet (another process or machine). Each run is offered on
+the endpoint's control side (:mod:`workers.envs.endpoint`): an agent claims it (``POST /v1/sessions``), calls the
+model at the ``base_url`` it gets, and finishes it with its reward (``POST /sessions/{id}/finish``). A run nobody
+claims or finishes within ``env.episode_timeout_s`` ends as ``timeout`` (``agent/unclaimed`` counts those never
+claimed). The driver writes every rollout actor's address and token to ``<run.dir>/agent_endpoints.json``.
 """
 
 from __future__ import annotations
@@ -27,9 +33,14 @@ from workers.envs.endpoint import Endpoint
 from workers.envs.episode import Episode
 from workers.envs.sessions import SessionLimits
 
+EXTERNAL = "external"
+"""``env.agent`` for agents that run outside the fleet and drive their sessions through the control endpoints."""
+
 
 def load_agent(spec: str):
-    """``package.module:function``, an ``async def`` of two parameters (client, task)."""
+    """``package.module:function``, an ``async def`` of two parameters (client, task); None for ``external``."""
+    if spec == EXTERNAL:
+        return None
     module, _, attr = spec.partition(":")
     if not module or not attr:
         raise ValueError(f"env.agent {spec!r}: give it as package.module:function")
@@ -62,9 +73,11 @@ class AgentRunner:
     def __init__(self, env: dict, tokenizer, max_new_tokens: int, sampling: dict, name: str = ""):
         self.spec, self.fn = env["agent"], load_agent(env["agent"])
         self.timeout_s = env["episode_timeout_s"]
+        host = env.get("endpoint_host", "127.0.0.1")
+        port = _free_port(host) if self.fn is None else 0  # external agents keep one address across calls
         self.endpoint = Endpoint(tokenizer, "policy", SessionLimits(env["max_turns"], env["max_total_tokens"],
                                                                     max_new_tokens),
-                                 sampling, env.get("system_prompt"), env.get("endpoint_host", "127.0.0.1"))
+                                 sampling, env.get("system_prompt"), host, port)
         self.ids = itertools.count()
         self.name = name
 
@@ -92,21 +105,49 @@ class AgentRunner:
         return start
 
     async def _run(self, sid: str, task: dict, generate, version) -> Episode:
+        run = self._external if self.fn is None else self._in_process
+        session, (termination, error, reward) = await run(sid, task, generate, version)
+        return self._finish(session, task, termination, error, reward)
+
+    async def _in_process(self, sid: str, task: dict, generate, version):
         import openai
 
         session = self.endpoint.open(sid, generate, version)
         client = openai.AsyncOpenAI(base_url=self.endpoint.url(sid), api_key=self.endpoint.token, max_retries=2,
                                     http_client=openai.DefaultAsyncHttpxClient(trust_env=False))
-        termination, error, reward = "done", None, 0.0
         try:
-            reward = reward_of(await asyncio.wait_for(self.fn(client, task), self.timeout_s), self.spec)
-        except TimeoutError:
-            termination = "timeout"
-        except Exception as e:  # the agent's failure ends its own run only
-            termination, error = "env_error", f"{type(e).__name__}: {e}"[:500]
+            return session, await self._outcome(asyncio.wait_for(self.fn(client, task), self.timeout_s))
         finally:
             await client.close()
             self.endpoint.close(sid)
+
+    async def _external(self, sid: str, task: dict, generate, version):
+        session, offer = self.endpoint.offer(sid, task, generate, version)
+
+        async def finished():
+            reward = await asyncio.wait_for(asyncio.shield(offer.done), self.timeout_s)
+            if reward is None:
+                raise ValueError(f"session {sid} was finished without a reward")
+            return reward
+
+        try:
+            outcome = await self._outcome(finished())
+        finally:
+            self.endpoint.close(sid)
+        if not offer.claimed:
+            session.counts["unclaimed"] += 1
+        return session, outcome
+
+    async def _outcome(self, awaitable) -> tuple[str, str | None, float]:
+        """``(termination, error, reward)`` of an agent run."""
+        try:
+            return "done", None, reward_of(await awaitable, self.spec)
+        except TimeoutError:
+            return "timeout", None, 0.0
+        except Exception as e:  # the agent's failure ends its own run only
+            return "env_error", f"{type(e).__name__}: {e}"[:500], 0.0
+
+    def _finish(self, session, task: dict, termination: str, error: str | None, reward: float) -> Episode:
         ep = session.episode()
         if not ep.turn_ends:  # no call answered: the sample is the task's prompt alone (its group is errored)
             if termination == "done":
@@ -125,3 +166,11 @@ class AgentRunner:
         if error:
             ep.info["error"] = error
         return ep
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -5,6 +5,13 @@
     GET  /sessions/{id}/v1/models, /v1/models   the served model
     GET  /health                                no token needed
 
+With ``env.agent: external`` the agents run outside the fleet and drive their sessions through the control side:
+
+    POST /v1/sessions                           claim a waiting task: its session id, task and base_url
+                                                (``{"wait_s": s}`` waits up to s <= 30 seconds; 204: none waiting)
+    POST /sessions/{id}/reward                  ``{"reward": number or {name: number}}`` (the last one counts)
+    POST /sessions/{id}/finish                  end the session (optionally with ``"reward"``): its sample is done
+
 Served with aiohttp on the actor's episode event loop (the loop that steps the engine,
 :mod:`workers.engine_loop`): a call becomes one engine request, batched with every other session's by vLLM's
 continuous batching; there is no second inference server. Bound to ``env.endpoint_host`` (loopback by default) on
@@ -27,7 +34,7 @@ import hmac
 import json
 import secrets
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from workers.envs.renderers import ChatTemplateRenderer
@@ -80,20 +87,35 @@ def parse_call(body, run_sampling: dict) -> tuple[Call, int]:
                 bool(body.get("stream", False))), overridden
 
 
+@dataclass
+class Offer:
+    """A task waiting for (or claimed by) an agent outside the fleet: ``done`` resolves when it finishes."""
+
+    task: dict
+    done: asyncio.Future
+    reward: object = None
+    claimed: bool = False
+
+
 class Endpoint:
     """One rollout actor's endpoint (see the module docstring). ``open`` a session per agent run, hand the agent
-    :meth:`url` and :attr:`token`, ``close`` it after."""
+    :meth:`url` and :attr:`token`, ``close`` it after; or :meth:`offer` it to an agent outside the fleet.
+    ``port``: 0 picks a free one at every :meth:`start`; a fixed port keeps the address across calls (external
+    agents)."""
 
     def __init__(self, tokenizer, model_name: str, limits: SessionLimits, sampling: dict,
-                 system_prompt: str | None = None, host: str = "127.0.0.1"):
+                 system_prompt: str | None = None, host: str = "127.0.0.1", port: int = 0):
         self.tokenizer, self.model_name, self.limits = tokenizer, model_name, limits
         self.sampling, self.system_prompt, self.host = sampling, system_prompt, host
         self.token = secrets.token_urlsafe(24)
         self.renderer = ChatTemplateRenderer(tokenizer, None, system_prompt)  # template checked once, not per session
         self.sessions: dict[str, tuple[Session, object, object, asyncio.Lock]] = {}
+        self.offers: dict[str, Offer] = {}
+        self.waiting: deque[str] = deque()
         self.counts: Counter = Counter()
-        self.port = 0
+        self.port = port
         self.runner = None
+        self.arrived: asyncio.Event | None = None
 
     async def start(self) -> None:
         from aiohttp import web
@@ -103,11 +125,15 @@ class Endpoint:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/sessions/{sid}/v1/models", self._models)
         app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/sessions", self._claim)
+        app.router.add_post("/sessions/{sid}/reward", self._reward)
+        app.router.add_post("/sessions/{sid}/finish", self._finish)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.host, 0)
+        site = web.TCPSite(self.runner, self.host, self.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
+        self.arrived = asyncio.Event()
 
     async def stop(self) -> None:
         if self.runner is not None:
@@ -128,7 +154,21 @@ class Endpoint:
 
     def close(self, sid: str) -> Session | None:
         entry = self.sessions.pop(sid, None)
+        self.offers.pop(sid, None)
         return entry[0] if entry else None
+
+    def offer(self, sid: str, task: dict, generate, version) -> tuple[Session, Offer]:
+        """Open session ``sid`` for an agent outside the fleet: it waits until one claims it (``POST
+        /v1/sessions``); the returned offer's ``done`` resolves when that agent finishes it."""
+        session = self.open(sid, generate, version)
+        self.offers[sid] = offer = Offer(task, asyncio.get_running_loop().create_future())
+        self.waiting.append(sid)
+        self.arrived.set()
+        return session, offer
+
+    def address(self) -> dict:
+        """Where agents outside the fleet reach this endpoint: ``{"url", "token"}``."""
+        return {"url": f"http://{self.host}:{self.port}", "token": self.token}
 
     # -- handlers ---------------------------------------------------------------------------------------------
     async def _health(self, request):
@@ -182,6 +222,65 @@ class Endpoint:
 
         return web.json_response({**reply, "object": "chat.completion", "usage": usage, "choices": [
             {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}]})
+
+    async def _claim(self, request):
+        """The oldest waiting task, claimed: ``{"session_id", "task", "base_url", "model"}``; 204 if none waits."""
+        from aiohttp import web
+
+        denied = self._denied(request)
+        if denied:
+            return denied
+        try:
+            body = await request.json() if request.can_read_body else {}
+            wait_s = float(body.get("wait_s", 0) if isinstance(body, dict) else "x")
+        except (ValueError, TypeError):
+            return _error(400, "the body must be a JSON object, optionally {\"wait_s\": seconds}",
+                          "invalid_request_error", "wait_s")
+        deadline = time.monotonic() + min(max(wait_s, 0.0), 30.0)
+        while True:
+            while self.waiting:
+                sid = self.waiting.popleft()
+                offer = self.offers.get(sid)
+                if offer is not None and not offer.done.done():
+                    offer.claimed = True
+                    return web.json_response({"session_id": sid, "task": offer.task, "base_url": self.url(sid),
+                                              "model": self.model_name})
+            self.arrived.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return web.Response(status=204)
+            try:
+                await asyncio.wait_for(self.arrived.wait(), left)
+            except TimeoutError:
+                return web.Response(status=204)
+
+    async def _reward(self, request, finish: bool = False):
+        from aiohttp import web
+
+        from workers.envs.agent import reward_of
+
+        denied = self._denied(request)
+        if denied:
+            return denied
+        sid = request.match_info["sid"]
+        offer = self.offers.get(sid)
+        if offer is None or not offer.claimed or offer.done.done():
+            return _error(404, f"no claimed, unfinished session {sid!r} (env.agent: external)", "not_found_error")
+        try:
+            body = await request.json() if request.can_read_body else {}
+            if not isinstance(body, dict) or (not finish and "reward" not in body):
+                raise TypeError("a JSON object with \"reward\"")
+            if "reward" in body:
+                reward_of(body["reward"], "external")
+                offer.reward = body["reward"]
+        except (ValueError, TypeError) as e:
+            return _error(400, f"reward: {e}", "invalid_request_error", "reward")
+        if finish:
+            offer.done.set_result(offer.reward)
+        return web.json_response({"session_id": sid, "reward": offer.reward, "finished": finish})
+
+    async def _finish(self, request):
+        return await self._reward(request, finish=True)
 
     def _denied(self, request):
         given = request.headers.get("Authorization", "")
