@@ -288,6 +288,23 @@ def sampling_parity(result: dict) -> str:
             f"{result['accuracy_gap_se']} standard errors.\n\n{ways}\n\n{table}\n")
 
 
+def r1_recipes(result: dict) -> str:
+    """docs/recipes.md: the two SmolLM2 R1 recipes, each stage scored by fleetrl's eval and outside it."""
+    n = result["base"]["n"]
+    base = result["base"]["last_int"]
+    rows = [["base (SmolLM2-135M-Instruct)", "-", "-", f"{base['accuracy']:.3f} +- {base['se']:.3f}", "-"]]
+    for name, run in result["recipes"].items():
+        for st in run["stages"]:
+            out = st["outside"]["last_int"]
+            rows.append([f"`{name}`", f"{st['name']} ({st['kind']})", f"{st['accuracy']:.3f}",
+                         f"{out['accuracy']:.3f} +- {out['se']:.3f}", f"{st['seconds'] / 60:.1f}"])
+        rows.append([f"`{name}`", "**total**", "", "", f"**{sum(s['seconds'] for s in run['stages']) / 60:.1f}**"])
+    dtype = "bf16 engines and learner" if result["settings"].get("bf16") else "fp32"
+    table = markdown_table(["recipe", "stage", "fleetrl eval (greedy)", f"outside check (last int, {n} prompts)",
+                            "minutes"], rows)
+    return f"{provenance(result['meta'])} {dtype}; each recipe alone on the machine.\n\n{table}\n"
+
+
 def async_cluster(result: dict) -> str:
     """docs section 13: verl's published fully async speed-ups beside the simulator's, calibrated on the colocated
     rows."""
@@ -334,6 +351,7 @@ TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "distill_compare": ("distill_compare.json", distill_compare),
     "learning_real": ("learning_real.json", learning_real),
     "sampling_parity": ("sampling_parity.json", sampling_parity),
+    "r1_recipes": ("r1_recipes.json", r1_recipes),
 }
 """Table name -> (result file in bench/results, renderer)."""
 DOCS = [DOC, Path("README.md"), Path("docs/recipes.md"), Path("docs/results.md")]

@@ -94,7 +94,9 @@ class LearnerWorker(LoggedActor):
         import torch
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-        self.engine = self.ref = self.hf_model = self.peft = None  # the previous run's, if any
+        if getattr(self, "engine", None) is not None:  # the previous run's: its ZeRO optimizer's gradient hooks
+            self.engine.destroy()  # live in C++ on the parameters and keep the whole engine alive unless removed
+        self.engine = self.ref = self.hf_model = self.peft = None
         gc.collect()
         torch.manual_seed(spec.seed + self.rank)
         torch_dtype, role, lora = getattr(torch, spec.dtype), spec.role, spec.lora

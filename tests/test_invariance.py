@@ -135,6 +135,8 @@ def update(tmp_path_factory):
             metrics = gather_metrics(group.train_async(batch))  # as Run.learn
             after = _bucketed_weights(group)
             pushed = _pushed_weights(group)
+            ray.get(group.load(cfg))  # the next run of a fleet on these ranks (Fleet.serve)
+            RELOADED[ranks, zero_stage] = ray.get([w.__ray_call__.remote(_live_engines) for w in group.ranks])
         finally:
             for w in group.ranks:
                 ray.kill(w, no_restart=True)
@@ -154,6 +156,30 @@ def update(tmp_path_factory):
             yield run
         finally:
             ray.shutdown()
+
+
+RELOADED: dict = {}
+"""(ranks, ZeRO stage) -> each rank's count of live DeepSpeed engines after a reload."""
+
+
+def _live_engines(worker) -> int:
+    import gc
+
+    import deepspeed
+
+    gc.collect()
+    return sum(isinstance(o, deepspeed.DeepSpeedEngine) for o in gc.get_objects())
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("ranks,zero_stage", [(1, 2)])
+def test_a_rank_that_loads_the_next_run_frees_the_previous_engine(update, ranks, zero_stage):
+    """A fleet's learner ranks serve run after run (pipeline stages, the suite's shared fleets): the ZeRO
+    optimizer's gradient hooks live on the parameters, in C++, where Python's collector cannot see the cycle back to
+    the engine; without ``engine.destroy()`` every load kept the previous model, optimizer state and all (1 GB more
+    per stage on SmolLM2, until Ray's memory monitor killed the learners in the R1 recipe's fourth stage)."""
+    update(ranks, zero_stage)
+    assert RELOADED[ranks, zero_stage] == [1] * ranks
 
 
 def rounding_tolerance(before: torch.Tensor, ref_after: torch.Tensor, after: torch.Tensor) -> torch.Tensor:

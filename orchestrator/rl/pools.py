@@ -423,7 +423,8 @@ def wait_ready(*groups, timeout_s: float | None = None) -> None:
     refs = {ref: name for g in groups if g is not None for ref, name in zip(g.ready(), _names(g))}
     pending, deadline = list(refs), time.monotonic() + (timeout_s or float("inf"))
     while pending:  # in completion order: the first actor that fails is reported without waiting for the rest
-        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        left = None if timeout_s is None else max(0.0, deadline - time.monotonic())
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
         if not done:
             waiting = sorted(refs[r] for r in pending)
             raise StartupTimeout(f"{len(waiting)} actor(s) not started after {timeout_s:g} s (run.startup_timeout_s):"
