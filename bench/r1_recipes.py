@@ -25,6 +25,7 @@ def _extra(ap) -> None:
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--zero-minutes", type=float, default=None)
     ap.add_argument("--n", type=int, default=100, help="held-out prompts of each outside check")
+    ap.add_argument("--keep", action="store_true", help="keep earlier run dirs: finished stages are not run again")
 
 
 def outside(label: str, config: str, model: str, n: int) -> dict:
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__, argv, extra=_extra)
     RUNS_DIR.mkdir(parents=True, exist_ok=True)
     tag = "-quick" if args.quick else ""
-    for old in RUNS_DIR.glob(f"r1_recipes{tag}-*"):  # a run dir left by an earlier attempt would be resumed
+    for old in [] if args.keep else RUNS_DIR.glob(f"r1_recipes{tag}-*"):  # else resumed
         shutil.rmtree(old) if old.is_dir() else old.unlink()
     common = ["rollout.dtype=bfloat16", "learner.mixed_precision=bfloat16"] if args.bf16 else []
     if args.quick:
@@ -63,12 +64,12 @@ def main(argv: list[str] | None = None) -> None:
         for st in run["stages"]:
             st["outside"] = outside(f"{tag}-{name}-{st['name']}", config, st["model"], n)
         result["recipes"][name] = run
+    save_result("r1_recipes", args.quick, result)
     rows = [["base", "-", "-", f"{result['base']['last_int']['accuracy']:.3f}", "-"]]
     for name, run in result["recipes"].items():
-        rows += [[name, st["name"], f"{st['accuracy']:.3f}", f"{st['outside']['last_int']['accuracy']:.3f}",
+        rows += [[name, st["name"], st["accuracy"], f"{st['outside']['last_int']['accuracy']:.3f}",
                   f"{st['seconds'] / 60:.1f}"] for st in run["stages"]]
     print_table("R1 recipes on SmolLM2", ["recipe", "stage", "fleetrl eval", "outside (last int)", "minutes"], rows)
-    save_result("r1_recipes", args.quick, result)
 
 
 if __name__ == "__main__":

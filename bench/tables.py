@@ -296,7 +296,8 @@ def r1_recipes(result: dict) -> str:
     for name, run in result["recipes"].items():
         for st in run["stages"]:
             out = st["outside"]["last_int"]
-            rows.append([f"`{name}`", f"{st['name']} ({st['kind']})", f"{st['accuracy']:.3f}",
+            rows.append([f"`{name}`", f"{st['name']} ({st['kind']})", "-" if st["accuracy"] is None else
+                         f"{st['accuracy']:.3f}",
                          f"{out['accuracy']:.3f} +- {out['se']:.3f}", f"{st['seconds'] / 60:.1f}"])
         rows.append([f"`{name}`", "**total**", "", "", f"**{sum(s['seconds'] for s in run['stages']) / 60:.1f}**"])
     dtype = "bf16 engines and learner" if result["settings"].get("bf16") else "fp32"

@@ -154,3 +154,37 @@ def test_an_openai_client_agent_trains_on_exactly_the_tokens_its_calls_sampled(t
             between = mask[ep["turn_ends"][0] + 1: ep["turn_ends"][1]]  # "The number only?" and the template's glue
             obs = ep["observation_tokens"]
             assert obs > 5 and between == [0] * obs + [1] * (len(between) - obs)
+
+
+@pytest.mark.e2e
+def test_an_agent_outside_the_fleet_trains_through_the_control_endpoints(tmp_path, smollm2):
+    """Only this guards `env.agent: external` on the real stack: the driver writes the engines' addresses to
+    `<run.dir>/agent_endpoints.json`; an agent outside the fleet (examples/external_agent.py, in a thread of this
+    process: plain HTTP and the `openai` client) claims every session, calls the model and finishes the session
+    with its reward. Nothing is left unclaimed, and the learner's logprobs of the sampled tokens equal the engine's.
+    Runs on the previous test's engines (same model and settings: the shared fleet keeps them)."""
+    import asyncio
+    import threading
+
+    from examples.external_agent import main_async
+
+    run_dir, stats = tmp_path / "run", {}
+    outside = threading.Thread(target=lambda: stats.update(asyncio.run(main_async(run_dir, 16, 300.0))), daemon=True)
+    outside.start()
+    rows = run_fleetrl(run_dir, "-c", str(ROOT / "configs/smollm2_agent.yaml"), f"model.path={smollm2}",
+                       "env.agent=external", "env.episode_timeout_s=240", "data.prompts_per_step=8",
+                       "rollout.group_size=4", "rollout.max_new_tokens=32", "env.max_total_tokens=512",
+                       "learner.num_ranks=1", "learner.zero_stage=0", "trainer.torch_threads=2",
+                       "trainer.total_steps=1", "trainer.eval_every=0", "trainer.time_budget_s=null",
+                       "run.dump_rollouts=true", timeout=900)
+    outside.join(120)
+    train = [r for r in rows if "reward/mean" in r]
+    assert len(train) == 1 and stats["runs"] == 32, stats
+    row = train[0]
+    assert (row["agent/unclaimed"], row["agent/timeouts"], row["agent/errors"]) == (0, 0, 0), row
+    assert row["rollout/logprob_gap_max"] < 1e-3 and row["agent/calls_mean"] >= 1
+    endpoints = json.loads((run_dir / "agent_endpoints.json").read_text())["endpoints"]
+    assert sorted(e["worker"] for e in endpoints) == ["rollout-0", "rollout-1"]
+    assert all(e["url"].startswith("http://127.0.0.1:") and e["token"] for e in endpoints)
+    dumped = _dumped(run_dir, 0)
+    assert len(dumped) == 32 and all(r["episode"]["counters"]["agent/calls"] >= 1 for r in dumped)

@@ -101,6 +101,8 @@ def test_a_fleet_keeps_for_the_next_run_only_the_actors_that_fit_it():
                                        "learner.lr=0.1", "rollout.num_workers=1"]))
     assert keys["teacher"] == distill["teacher"]
     assert changed("learner.num_ranks=1") == {"learner", "critic"}
+    zero3 = fit_keys(load_config(None, ["learner.zero_stage=3"]))
+    assert zero3["learner"] != fit_keys(load_config(None, ["learner.zero_stage=3"]))["learner"]  # never reused
     assert changed("reward.functions=[{name: math}, {name: format}]") == {"reward"}
     assert changed("model.path=.fleetrl/models/calc-base") >= {"rollout"}  # another model shape (vocabulary)
 

@@ -172,7 +172,7 @@ def _live_engines(worker) -> int:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("ranks,zero_stage", [(1, 2)])
+@pytest.mark.parametrize("ranks,zero_stage", [(1, 2), (2, 0)])
 def test_a_rank_that_loads_the_next_run_frees_the_previous_engine(update, ranks, zero_stage):
     """A fleet's learner ranks serve run after run (pipeline stages, the suite's shared fleets): the ZeRO
     optimizer's gradient hooks live on the parameters, in C++, where Python's collector cannot see the cycle back to

@@ -393,8 +393,11 @@ def fit_keys(cfg: FleetConfig) -> dict[str, object]:
     pool = engine_pool_key(cfg)
     engine = (pool, replace(engine_spec(cfg, max_model_len(cfg)), model_path=""), model_shape(cfg.model.path))
     teacher = teacher_config(cfg) if cfg.algorithm.uses_teacher else None
+    # ZeRO-3 ranks never serve another run: its module hooks keep the engine alive after destroy() (DeepSpeed
+    # 0.19.8), so every run would add a model and its optimizer state (a fresh object equals no other key)
+    ranks = object() if cfg.learner.zero_stage == 3 else placement_key(cfg)
     return {
-        "learner": placement_key(cfg), "critic": placement_key(cfg), "rollout": engine,
+        "learner": ranks, "critic": ranks, "rollout": engine,
         "reward": (c["reward"], c["cai"]), "env": (c["env"], r["max_restarts"], c["data"]["system_prompt"]),
         "prm": (c["prm"], c["reward"]["max_restarts"], c["trainer"]["torch_threads"]),
         "orm": (c["prm"], c["reward"]["max_restarts"], c["trainer"]["torch_threads"]),
