@@ -27,9 +27,8 @@ import contextlib
 import importlib
 import inspect
 import itertools
-import numbers
 
-from workers.envs.endpoint import Endpoint
+from workers.envs.endpoint import Endpoint, reward_of
 from workers.envs.episode import Episode
 from workers.envs.sessions import SessionLimits
 
@@ -57,14 +56,6 @@ def load_agent(spec: str):
     except TypeError:
         raise ValueError(f"env.agent {spec!r} must take two arguments: (client, task)") from None
     return fn
-
-
-def reward_of(value, spec: str) -> float:
-    """An agent's return value as a reward: a number, or a dict of numbers (summed)."""
-    parts = value.values() if isinstance(value, dict) else [value]
-    if not parts or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in parts):
-        raise TypeError(f"env.agent {spec} returned {value!r}: a number or a dict of numbers is expected")
-    return float(sum(parts))
 
 
 class AgentRunner:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import numbers
 import secrets
 import time
 from collections import Counter, deque
@@ -85,6 +86,15 @@ def parse_call(body, run_sampling: dict) -> tuple[Call, int]:
                      for key in OVERRIDABLE)
     return Call(body.get("messages"), tools or None, choice != "none", max_tokens, stop,
                 bool(body.get("stream", False))), overridden
+
+
+def reward_of(value, spec: str) -> float:
+    """An agent's reward (returned by an ``env.agent`` function, or posted by an agent outside the fleet): a number,
+    or a dict of numbers (summed)."""
+    parts = value.values() if isinstance(value, dict) else [value]
+    if not parts or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in parts):
+        raise TypeError(f"env.agent {spec} returned {value!r}: a number or a dict of numbers is expected")
+    return float(sum(parts))
 
 
 @dataclass
@@ -256,8 +266,6 @@ class Endpoint:
 
     async def _reward(self, request, finish: bool = False):
         from aiohttp import web
-
-        from workers.envs.agent import reward_of
 
         denied = self._denied(request)
         if denied:
