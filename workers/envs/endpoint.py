@@ -93,7 +93,7 @@ def reward_of(value, spec: str) -> float:
     or a dict of numbers (summed)."""
     parts = value.values() if isinstance(value, dict) else [value]
     if not parts or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in parts):
-        raise TypeError(f"env.agent {spec} returned {value!r}: a number or a dict of numbers is expected")
+        raise TypeError(f"env.agent {spec}: the reward {value!r} is not a number or a dict of numbers")
     return float(sum(parts))
 
 
