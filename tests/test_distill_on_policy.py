@@ -46,6 +46,10 @@ DRIVER = textwrap.dedent("""
             threading.Thread(target=killer, args=(out / name,), daemon=True).start()
         run_training(load_config(None, args + [f"run.dir={out / name}", f"distill.teacher={teacher}",
                                                f"trainer.total_steps={steps}"]), fleet=fleet)
+    for name, extra in (("lora", ["learner.lora.rank=4", "rollout.mode=one_step_off"]),
+                        ("async", ["rollout.mode=async"])):
+        run_training(load_config(None, args + extra + [f"run.dir={out / name}", f"distill.teacher={teacher}",
+                                                       "trainer.total_steps=2"]), fleet=fleet)
     fleet.stop()
     print("RESULT done", flush=True)
 """)
@@ -63,7 +67,8 @@ def test_on_policy_distillation_scores_every_sampled_token_with_the_teachers_eng
     (the saved final weights equal the start's, bit for bit). Then twice another teacher (the student with noise):
     its logprobs of the dumped samples equal transformers' on the same ids (< 1e-4) and the reverse KL is positive;
     the third run keeps the second's teacher engines, and `teacher-0`, killed after its first step, is replaced by
-    an engine of the teacher (not of the student: the reverse KL stays positive) and the run finishes."""
+    an engine of the teacher (not of the student: the reverse KL stays positive) and the run finishes. Then a LoRA
+    student trained one step off, and the asynchronous mode, each 2 steps with the same teacher."""
     from safetensors.torch import load_file
 
     teacher = _perturbed_copy(embedded_model, tmp_path / "teacher")
@@ -93,4 +98,7 @@ def test_on_policy_distillation_scores_every_sampled_token_with_the_teachers_eng
             worst = max(worst, float(torch.tensor(expected).sub(torch.tensor(s["teacher_logprobs"])).abs().max()))
             n += len(expected)
     assert n > 0 and worst < 1e-4, worst
+    for name in ("lora", "async"):  # a LoRA student one step off, and the asynchronous mode: no special cases
+        rows = _rows(tmp_path / name)
+        assert [x["step"] for x in rows] == [0, 1] and all(x["distill/reverse_kl"] > 0 for x in rows), rows
     print(f"teacher logprobs vs transformers: max |diff| {worst:.2e} over {n} tokens")
