@@ -69,14 +69,18 @@ def correct(reply: str | None, answer: str) -> bool:
     return bool(numbers) and numbers[-1] == str(answer)
 
 
-async def solve(client, task: dict, model: str = "policy", max_turns: int = 3, **sampling) -> float:
-    """Ask, run the tools the model calls, and return 1.0 when the final reply's last number is the answer."""
+async def solve(client, task: dict, model: str = "policy", max_turns: int = 3, calls: list | None = None,
+                **sampling) -> float:
+    """Ask, run the tools the model calls, and return 1.0 when the final reply's last number is the answer
+    (``calls``, when given, gets the name of every tool the model called)."""
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["prompt"]}]
     for _ in range(max_turns):
         reply = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=64,
                                                      **sampling)
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
+        if calls is not None:
+            calls += [call.function.name for call in message.tool_calls or []]
         if not message.tool_calls:
             return float(correct(message.content, task["answer"]))
         for call in message.tool_calls:
@@ -103,11 +107,17 @@ def main() -> None:
     client = openai.AsyncOpenAI(base_url=args.base_url, api_key=args.api_key)
     tasks = [{**p.metadata, "prompt": p.text} for p in ToolChoiceTask().eval_set(args.n)]
 
+    calls: list[list] = [[] for _ in tasks]
+
     async def run():
-        return await asyncio.gather(*(solve(client, t, args.model, temperature=args.temperature) for t in tasks))
+        return await asyncio.gather(*(solve(client, t, args.model, calls=c, temperature=args.temperature)
+                                      for t, c in zip(tasks, calls)))
 
     rewards = asyncio.run(run())
-    print(json.dumps({"n": len(rewards), "accuracy": sum(rewards) / len(rewards)}))
+    called = [(c[0], t.get("tool")) for c, t in zip(calls, tasks) if c]
+    print(json.dumps({"n": len(rewards), "accuracy": sum(rewards) / len(rewards),
+                      "tool_call_rate": len(called) / len(tasks),
+                      "right_tool_rate": sum(name == tool for name, tool in called) / max(len(called), 1)}))
 
 
 if __name__ == "__main__":

@@ -2,11 +2,14 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from orchestrator.config import ConfigError, FleetConfig, GRPOConfig, RLOOConfig, load_config
 from tests.conftest import cli
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_defaults_are_the_embedded_default_and_documented():
@@ -84,6 +87,15 @@ def test_cli_config_show_prints_resolved_config():
     r = subprocess.run([sys.executable, "-m", "orchestrator", "config", "show", "rollout.group_size=4"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "group_size: 4" in r.stdout
+
+
+def test_the_fleetrl_script_finds_plugins_of_the_working_directory():
+    """``env.agent: examples.math_agent:solve`` from the repo root, through the installed ``fleetrl`` script (whose
+    ``sys.path[0]`` is its bin directory, not the working directory as under ``python -m``)."""
+    script = Path(sys.executable).parent / "fleetrl"
+    r = subprocess.run([str(script), "config", "show", "-c", "configs/smollm2_agent.yaml"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "agent: examples.math_agent:solve" in r.stdout, r.stderr
 
 
 def test_cli_missing_model_path_is_a_clear_error(tmp_path):

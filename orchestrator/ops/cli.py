@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -363,10 +364,21 @@ def check_and_build(args, cfg: FleetConfig) -> FleetConfig:
     return prepare(cfg)
 
 
+def _import_from_cwd() -> None:
+    """Plugins named by import path (``env.agent``, reward functions, tools, tasks) resolve from the working
+    directory as under ``python -m``; the ``fleetrl`` script's own ``sys.path[0]`` is its bin directory. Ray gives
+    the local actors the driver's ``sys.path``, so they find the same modules (a cluster job ships the directory
+    as its ``working_dir``)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
+
 def main(argv: list[str] | None = None, fleet=None) -> int:
     """Run one command; its exit status. ``fleet``: an :class:`orchestrator.rl.fleet.Fleet` of this process that
     the command runs on, kept up afterwards (a process that runs several commands in turn, as a pipeline does)."""
     args = parse_args(argv)
+    _import_from_cwd()
     if args.command != "train":  # a training run sends its log to <run.dir>/logs/driver.log (orchestrator.ops.console)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
