@@ -16,7 +16,8 @@ checked three ways, greedy, on the same 100 held-out problems:
 - :mod:`bench.outside_eval` (transformers ``generate``, its own ``<tool_call>`` parsing, the same tools and system
   prompt): accuracy, tool-call rate, right-tool rate;
 - the agent itself against ``vllm serve --enable-auto-tool-choice --tool-call-parser hermes`` of the policy
-  (``python -m examples.math_agent``): the user's code on a server that is not fleetrl's.
+  (``python -m examples.math_agent``): the user's code on a server that is not fleetrl's (eager, as fleetrl's
+  engines run on CPU).
 """
 
 from __future__ import annotations
@@ -28,14 +29,31 @@ import signal
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 import yaml
 
-from bench.common import PY, RUNS_DIR, SUBPROCESS_ENV, parse_args, print_table, run_logged, save_result
+from bench.common import (
+    PY,
+    RUNS_DIR,
+    SUBPROCESS_ENV,
+    load_result,
+    parse_args,
+    print_table,
+    run_logged,
+    save_result,
+)
 
 BASE = ".fleetrl/models/smollm2-135m-instruct"
 AGENT, TOOLS = "configs/smollm2_agent.yaml", "configs/smollm2_tools.yaml"
-PORT = 8311
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _extra(ap) -> None:
@@ -43,6 +61,8 @@ def _extra(ap) -> None:
     ap.add_argument("--rl-steps", type=int, default=20)
     ap.add_argument("--bf16", action="store_true", help="bf16 engines and learner (fast only with AMX)")
     ap.add_argument("--n", type=int, default=100, help="held-out problems of each check")
+    ap.add_argument("--serve-only", action="store_true",
+                    help="only the agents against vLLM's server, for the policies of the last result")
 
 
 def recipe(sft_steps: int, rl_steps: int) -> dict:
@@ -74,39 +94,73 @@ def tools_config(path) -> str:
 def outside(label: str, config: str, model: str, n: int) -> dict:
     from bench.outside_eval import main as outside_eval
 
+    out = RUNS_DIR / f"agent_example-{label}.jsonl"
+    if label.endswith("base") and out.exists():  # the base's replies of an earlier try: scored again
+        return outside_eval(["-c", config, "--model", model, "--n", str(n), "--rescore", str(out)])
+
     return outside_eval(["-c", config, "--model", model, "--n", str(n),
                          "--out", str(RUNS_DIR / f"agent_example-{label}.jsonl")])
 
 
+AGENTS = {"vllm_serve": "examples.math_agent", "vllm_serve_langgraph": "examples.langgraph_agent"}
+"""Result key -> the agent module run unchanged against each policy's server (its ``main()``, greedy)."""
+
+
 def against_vllm_serve(label: str, model: str, n: int, dtype: str) -> dict:
-    """``vllm serve`` of ``model`` with vLLM's hermes tool parser; ``examples/math_agent.py`` unchanged against it."""
+    """``vllm serve`` of ``model`` with vLLM's hermes tool parser; every agent of :data:`AGENTS` unchanged
+    against it: ``{result key: {"accuracy", "tool_call_rate", "right_tool_rate", "seconds", ...}}``."""
     log = RUNS_DIR / f"agent_example-serve-{label}.log"
+    port = free_port()
     env = {**os.environ, **SUBPROCESS_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    cmd = [os.path.join(os.path.dirname(PY), "vllm"), "serve", model, "--port", str(PORT), "--served-model-name",
-           "policy", "--dtype", dtype, "--max-model-len", "2048", "--enable-auto-tool-choice",
+    # `vllm serve` itself: vllm-cpu 0.32.0's CLI looks up the version of a distribution named "vllm" and exits
+    cmd = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port), "--served-model-name",
+           "policy", "--dtype", dtype, "--max-model-len", "2048", "--enforce-eager", "--enable-auto-tool-choice",
            "--tool-call-parser", "hermes", "--api-key", "bench"]
     with log.open("w") as out:
         server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=5)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"vllm serve did not come up; see {log}") from None
-                time.sleep(3)
-        t0 = time.perf_counter()
-        res = subprocess.run([PY, "-m", "examples.math_agent", "--base-url", f"http://127.0.0.1:{PORT}/v1",
-                              "--model", "policy", "--api-key", "bench", "--n", str(n)],
-                             capture_output=True, text=True, env={**os.environ, **SUBPROCESS_ENV}, timeout=1800)
-        if res.returncode:
-            raise RuntimeError(f"examples.math_agent failed: {res.stderr[-2000:]}")
-        return {**json.loads(res.stdout.strip().splitlines()[-1]), "seconds": round(time.perf_counter() - t0, 1)}
+        _wait_healthy(server, port, log)
+        return {key: _run_agent(module, port, n) for key, module in AGENTS.items()}
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(60)
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait(60)
+
+
+def _wait_healthy(server: subprocess.Popen, port: int, log: Path) -> None:
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+            return
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve did not come up; see {log}") from None
+            time.sleep(3)
+
+
+def _run_agent(module: str, port: int, n: int) -> dict:
+    t0 = time.perf_counter()
+    res = subprocess.run([PY, "-m", module, "--base-url", f"http://127.0.0.1:{port}/v1", "--model", "policy",
+                          "--api-key", "bench", "--n", str(n)],
+                         capture_output=True, text=True, env={**os.environ, **SUBPROCESS_ENV}, timeout=1800)
+    if res.returncode:
+        raise RuntimeError(f"{module} failed: {res.stderr[-2000:]}")
+    return {**json.loads(res.stdout.strip().splitlines()[-1]), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def fleetrl_eval(stage_dir: Path) -> dict:
+    """A stage's steps and its last greedy eval's accuracy, tool-call rate and errored episodes (metrics.jsonl)."""
+    rows = [json.loads(x) for x in (stage_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    last = [r for r in rows if "eval/accuracy" in r][-1]
+    return {"steps": json.loads((stage_dir / "summary.json").read_text()).get("steps"),
+            "eval": {k: v for k, v in last.items() if k.startswith("eval/")},
+            "train": [{k: v for k, v in r.items() if k.startswith(("reward/", "agent/", "env/"))}
+                      for r in rows if "reward/mean" in r]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -115,6 +169,14 @@ def main(argv: list[str] | None = None) -> None:
         args.sft_steps, args.rl_steps, args.n = 1, 1, 8
     tag = "-quick" if args.quick else ""
     RUNS_DIR.mkdir(parents=True, exist_ok=True)
+    dtype = "bfloat16" if args.bf16 else "float32"
+    if args.serve_only:  # the agents against vLLM's server again, for the policies of the last result
+        result = load_result("agent_example", args.quick)
+        for entry, model in [(result["base"], BASE), *((st, st["model"]) for st in result["stages"])]:
+            entry.update(against_vllm_serve(f"{tag}{entry.get('name', 'base')}", model, args.n, dtype))
+        result["pipeline_meta"] = result.pop("meta")  # when and where the policies were trained
+        save_result("agent_example", args.quick, result)
+        return
     run_dir = RUNS_DIR / f"agent_example{tag}"
     shutil.rmtree(run_dir, ignore_errors=True)
     path = RUNS_DIR / f"agent_example{tag}.yaml"
@@ -123,17 +185,17 @@ def main(argv: list[str] | None = None) -> None:
     common = ["rollout.dtype=bfloat16", "learner.mixed_precision=bfloat16"] if args.bf16 else []
     if args.quick:
         common += ["data.eval_size=8"]
-    dtype = "bfloat16" if args.bf16 else "float32"
     result = {"settings": vars(args), "recipe": str(path),
               "base": {"outside": outside(f"{tag}base", check, BASE, args.n),
-                       "vllm_serve": against_vllm_serve(f"{tag}base", BASE, args.n, dtype)}}
+                       **against_vllm_serve(f"{tag}base", BASE, args.n, dtype)}}
     cmd = [PY, "-m", "orchestrator", "pipeline", "-c", str(path), *common, f"run.dir={run_dir}"]
     result["wall_s"] = round(run_logged(cmd, RUNS_DIR / f"agent_example{tag}.log", 7200), 1)
     result["command"] = " ".join(cmd[1:])
     result["stages"] = json.loads((run_dir / "summary.json").read_text())["stages"]
     for st in result["stages"]:
+        st.update(fleetrl_eval(Path(st["model"]).parent))
         st["outside"] = outside(f"{tag}{st['name']}", check, st["model"], args.n)
-        st["vllm_serve"] = against_vllm_serve(f"{tag}{st['name']}", st["model"], args.n, dtype)
+        st.update(against_vllm_serve(f"{tag}{st['name']}", st["model"], args.n, dtype))
     save_result("agent_example", args.quick, result)
     rows = [["SmolLM2-135M-Instruct", "-", *_cells(result["base"])]]
     rows += [[st["name"], st["accuracy"], *_cells(st)] for st in result["stages"]]

@@ -306,6 +306,33 @@ def r1_recipes(result: dict) -> str:
     return f"{provenance(result['meta'])} {dtype}; each recipe alone on the machine.\n\n{table}\n"
 
 
+def agent_example(result: dict) -> str:
+    """docs/agents.md: examples/math_agent.py trained (tool SFT, then GRPO through the endpoint), each policy checked
+    by fleetrl's eval, the outside check and the agent itself on vLLM's own server."""
+    def cells(entry: dict) -> list:
+        o, v = entry["outside"], entry["vllm_serve"]
+        lg = entry.get("vllm_serve_langgraph")
+        return [f"{o['last_int']['accuracy']:.2f} +- {o['last_int']['se']:.2f}", f"{o['tool_call_rate']:.2f}",
+                f"{o.get('right_tool_rate', float('nan')):.2f}",
+                f"{v['accuracy']:.2f} (tool calls {v['tool_call_rate']:.2f})",
+                "-" if lg is None else f"{lg['accuracy']:.2f} (tool calls {lg['tool_call_rate']:.2f})"]
+
+    def ours(st: dict) -> str:
+        ev = st["eval"]
+        calls = ev.get("eval/tool_call_rate")
+        return f"{ev['eval/accuracy']:.2f}" + ("" if calls is None else f" (tool calls {calls:.2f})")
+
+    rows = [["SmolLM2-135M-Instruct", "-", *cells(result["base"]), "-"]]
+    rows += [[f"after {st['name']} ({st['kind']}, {st['steps']} steps)", ours(st), *cells(st),
+              f"{st['seconds'] / 60:.1f}"] for st in result["stages"]]
+    dtype = "bf16 engines and learner" if result["settings"].get("bf16") else "fp32"
+    n = result["base"]["outside"]["n"]
+    table = markdown_table(["policy", "fleetrl eval (greedy)", f"outside check ({n} problems)", "tool calls",
+                            "right tool", "math_agent.py on vLLM's server", "langgraph_agent.py on vLLM's server",
+                            "minutes"], rows)
+    return f"{provenance(result['meta'])} {dtype}.\n\n{table}\n"
+
+
 def async_cluster(result: dict) -> str:
     """docs section 13: verl's published fully async speed-ups beside the simulator's, calibrated on the colocated
     rows."""
@@ -353,9 +380,10 @@ TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "learning_real": ("learning_real.json", learning_real),
     "sampling_parity": ("sampling_parity.json", sampling_parity),
     "r1_recipes": ("r1_recipes.json", r1_recipes),
+    "agent_example": ("agent_example.json", agent_example),
 }
 """Table name -> (result file in bench/results, renderer)."""
-DOCS = [DOC, Path("README.md"), Path("docs/recipes.md"), Path("docs/results.md")]
+DOCS = [DOC, Path("README.md"), Path("docs/recipes.md"), Path("docs/results.md"), Path("docs/agents.md")]
 """The pages whose ``<!-- bench:NAME -->`` blocks are generated."""
 
 

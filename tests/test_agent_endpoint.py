@@ -349,6 +349,16 @@ def test_an_openai_agents_sdk_agent_runs_against_the_endpoint_without_forks():
     assert ep.turn_rewards == [0.0, 1.0] and ep.tool_calls == 1 and ep.messages[3]["content"] == "5"
 
 
+def test_a_langgraph_agent_runs_against_the_endpoint_without_forks():
+    """examples/langgraph_agent.py (LangGraph's agent/tools loop, LangChain's ChatOpenAI writing the requests and
+    echoing the history back): its calls continue one trajectory, the tool's result reaches the model."""
+    pytest.importorskip("langgraph")
+    tok = smollm2_tokenizer()
+    ep = run_agent("examples.langgraph_agent:solve", [call_turn(tok, "2+3"), ids(tok, "5") + [2]])
+    assert ep.termination == "done" and ep.info.get("agent/forks", 0) == 0, ep.info
+    assert ep.turn_rewards == [0.0, 1.0] and ep.tool_calls == 1 and ep.messages[3]["content"] == "5"
+
+
 def test_an_agent_outside_the_fleet_claims_calls_rewards_and_finishes_its_sessions():
     """`env.agent: external`: three runs offered; an outside agent (plain HTTP + the openai client) claims two and
     finishes them (one with a reward posted first, one with a bad reward refused), the third is never claimed and

@@ -334,6 +334,18 @@ def test_a_group_with_an_errored_episode_gets_zero_loss_and_the_metrics_count_it
     assert m["env/truncated_frac"] == 0.25 and m["env/observation_token_frac"] == 9 / 16
 
 
+def test_an_episodes_return_is_its_reward_plus_its_environments_turn_rewards():
+    """reward/mean is what the advantages are computed from: an agent's own return (or an environment's per-turn
+    rewards) counts beside the reward functions' score (with `reward.functions: []` it is all there is)."""
+    from orchestrator.rl.episode_metrics import episode_return
+    from workers.records import EpisodeStats, Sample, ScoredSample
+
+    ep = EpisodeStats("done", 2, 1, 0, [0.1], 3, 0, [1, 3], [0.25, 1.0], False)
+    agent = ScoredSample(Sample("u", 0, "p", [1], [5, 6, 7, 8], [-1.0] * 4, "8", "stop", 0, episode=ep), 0.5, {})
+    single = ScoredSample(Sample("u", 1, "p", [1], [5], [-1.0], "8", "stop", 0), 0.5, {})
+    assert episode_return(agent) == 1.75 and episode_return(single) == 0.5
+
+
 def test_tool_demo_sft_trains_exactly_the_tokens_a_tool_episode_samples(tmp_path):
     """`fleetrl data tool-demos` rows rendered for SFT on SmolLM2's real template: the trained sequence is token for
     token the episode a policy writing the same turns produces in the tool environment, and the loss mask is the

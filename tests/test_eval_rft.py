@@ -65,6 +65,11 @@ def test_keep_verified_thresholds_and_dedupes_per_prompt():
     assert [(k.sample.prompt_uid, k.sample.completion_ids) for k in kept] == [("a", [5, 1]), ("b", [5, 1]),
                                                                               ("b", [7, 1])]
     assert keep_verified(xs, threshold=2.0) == []
+    from workers.records import EpisodeStats  # an agent's own reward (its last turn) counts, as in training
+
+    agent = _sample("c", [8, 1])
+    agent.episode = EpisodeStats("done", 1, 0, 0, [], 0, 0, [1], [1.0], False)
+    assert keep_verified([ScoredSample(agent, 0.0, {})], threshold=1.0)[0].sample is agent
 
 
 def test_rft_batch_trains_the_kept_samples_only_and_padding_rows_add_nothing():

@@ -23,6 +23,7 @@ from orchestrator.ops.metrics import PhaseTimer
 from orchestrator.recipes.data import examples_batch, sample_example
 from orchestrator.rl.collect import collect
 from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
+from orchestrator.rl.episode_metrics import episode_return
 from orchestrator.rl.fleet import Roles, training_roles
 from orchestrator.rl.policy_loop import check_rewards
 from workers.records import ScoredSample
@@ -31,12 +32,13 @@ log = logging.getLogger("fleetrl")
 
 
 def keep_verified(scored: list[ScoredSample], threshold: float) -> list[ScoredSample]:
-    """Samples whose summed reward is >= ``threshold``, each distinct completion of a prompt once, in order."""
+    """Samples whose summed reward (an environment's or agent's included) is >= ``threshold``, each distinct
+    completion of a prompt once, in order."""
     seen: set[tuple[str, tuple[int, ...]]] = set()
     kept = []
     for x in scored:
         key = (x.sample.prompt_uid, tuple(x.sample.completion_ids))
-        if x.reward >= threshold and key not in seen:
+        if episode_return(x) >= threshold and key not in seen:
             seen.add(key)
             kept.append(x)
     return kept
@@ -79,7 +81,7 @@ class RFTLoop(Loop):
         out = {"rft/kept_fraction": len(kept) / len(scored), "rft/kept": len(kept),
                "rft/prompts_with_kept": len({x.sample.prompt_uid for x in kept}),
                "train/accuracy": sum(correct) / len(correct), "reward/errors": reward_errors,
-               "reward/mean": sum(x.reward for x in scored) / len(scored), "rollout/samples": len(scored),
+               "reward/mean": sum(map(episode_return, scored)) / len(scored), "rollout/samples": len(scored),
                "tokens_generated": sum(len(x.sample.completion_ids) for x in scored)}
         skipped = False
         if kept:

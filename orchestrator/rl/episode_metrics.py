@@ -20,6 +20,13 @@ def drop_errored_groups(groups: list[list[ScoredSample]]) -> int:
     return dropped
 
 
+def episode_return(x: ScoredSample) -> float:
+    """What a sample is trained on: the reward functions' score plus, for a multi-turn episode, every turn's reward
+    from its environment (an agent's own return sits on its last turn): the sum the advantages are computed from
+    (:func:`learner.algorithms.advantage_inputs`)."""
+    return x.reward + (sum(x.sample.episode.turn_rewards) if x.sample.episode is not None else 0.0)
+
+
 def episode_metrics(samples: list) -> dict:
     """Per-step numbers of multi-turn episodes (``env/*``)."""
     eps = [s.episode for s in samples]

@@ -24,7 +24,7 @@ from orchestrator.ops.metrics import PhaseTimer
 from orchestrator.rl.async_rollout import AsyncRollout
 from orchestrator.rl.collect import collect
 from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
-from orchestrator.rl.episode_metrics import episode_metrics
+from orchestrator.rl.episode_metrics import episode_metrics, episode_return
 from orchestrator.rl.fleet import Roles, training_roles
 from orchestrator.rl.launch import make_task
 from orchestrator.rl.steps import process_separator, step_ends
@@ -289,7 +289,7 @@ class PolicyLoop(Loop):
 
     def _rollout_metrics(self, scored: list[ScoredSample], batch: TrainBatch, reward_errors: int,
                          train_metrics: dict, staleness: int) -> dict:
-        rewards = torch.tensor([s.reward for s in scored])
+        rewards = torch.tensor([episode_return(s) for s in scored])  # an environment's or agent's rewards included
         correct = self.run.correct([x.sample for x in scored])
         mask = batch.response_mask.bool()
         if batch.old_logprobs is not None:  # every sampled token (an off-policy rejection's dropped ones too)
@@ -301,6 +301,8 @@ class PolicyLoop(Loop):
         lengths = torch.tensor([len(x.sample.completion_ids) for x in scored], dtype=torch.float32)
         components = {f"reward/{name}": sum(x.components.get(name, 0.0) for x in scored) / len(scored)
                       for name in sorted({k for x in scored for k in x.components})}
+        if self.cfg.env.multi_turn:  # the environment's (or agent's) share of reward/mean
+            components["env/reward_mean"] = sum(episode_return(x) - x.reward for x in scored) / len(scored)
         return {**components, **(episode_metrics([x.sample for x in scored]) if self.cfg.env.multi_turn else {}),
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
             "reward/errors": reward_errors, "train/accuracy": sum(correct) / len(correct),
