@@ -255,6 +255,64 @@ def test_async_bounds_staleness_loses_nothing_survives_a_killed_engine_and_resum
     assert all(u in reissued or _position(u) >= stream["admitted"] for u in after)
 
 
+SCALED = textwrap.dedent("""
+    import json, os, sys, threading, time
+    from pathlib import Path
+    import ray
+    from orchestrator.config import load_config
+    from orchestrator.ops.jobs import scale
+    from orchestrator.rl.driver import run_training
+    from orchestrator.rl.fleet import Fleet, Roles
+
+    run_dir, model = Path(sys.argv[1]), sys.argv[2]
+    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)  # the session's head (tests/conftest.py)
+    resized = {}
+
+    def scaler():  # `fleetrl scale --run NAME --rollout 1`'s code, once the first step is in
+        metrics = run_dir / "metrics.jsonl"
+        while not metrics.exists() or not metrics.read_text().strip():
+            time.sleep(0.02)
+        resized.update(scale(rollout=1, reward=None, run=run_dir.name, address=None, wait_s=300))
+
+    threading.Thread(target=scaler, daemon=True).start()
+    fleet = Fleet(load_config(None, []), Roles())  # its own actors: the scaled pool is not the shared fleet's
+    run_training(load_config(None, [f"run.dir={run_dir}", f"model.path={model}", *json.loads(sys.argv[3])]),
+                 fleet=fleet)
+    fleet.stop()
+    print("RESULT", json.dumps(resized), flush=True)
+""")
+
+
+@pytest.mark.e2e
+def test_async_waits_trains_lora_over_the_collective_push_and_scales_while_it_streams(tmp_path, embedded_model):
+    """Only this runs `rollout.mode: async` with `stale_policy: wait`, LoRA (the merged push of the adapted blocks),
+    the collective transport and `fleetrl scale` together on the real stack: after every push both engines sample
+    what the learner computes; the batches are the stream's groups in admission order, none dropped, no token
+    older than η = 1; the pool shrinks from 2 engines to 1 while they stream (the removed engine's prompts
+    requeued) and the run goes on to its last step."""
+    model = _perturbed_copy(embedded_model, tmp_path / "model")
+    overrides = ["rollout.mode=async", "rollout.max_staleness=1", "rollout.stale_policy=wait",
+                 "rollout.weight_sync=collective", "learner.lora.rank=8", "learner.lr=3e-3", "rollout.num_workers=2",
+                 "learner.num_ranks=1", "learner.zero_stage=0", "trainer.total_steps=4", "trainer.eval_every=0",
+                 "run.dump_rollouts=true", "rollout.max_new_tokens=24"]
+    env = subprocess_env(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", **shared_ray_env())
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-c", SCALED, str(run), str(model), json.dumps(overrides)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=900)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, (r.stdout + r.stderr)[-6000:]
+    assert json.loads(lines[0][len("RESULT "):])["rollout_workers"] == 1
+    train = [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in x]
+    assert [x["step"] for x in train] == [0, 1, 2, 3]
+    assert train[0]["rollout/workers"] == 2 and train[-1]["rollout/workers"] == 1
+    for x in train:
+        assert x["weight_sync/logprob_max_diff"] < 1e-3 and x["async/staleness_max"] <= 1
+        assert x["async/dropped_stale"] == 0 and x["rollout/unique_prompts"] == 16
+    assert 0 < train[0]["weight_sync/bytes"]  # the adapted blocks, merged
+    order = [sorted(_position(s["uid"]) for s in samples) for samples in _dumps(run)]
+    assert [p for batch in order for p in dict.fromkeys(batch)] == list(range(4 * 16))  # admission order
+
+
 def _uid(n: int) -> str:
     return f"s{n // 16}-{n % 16}"
 

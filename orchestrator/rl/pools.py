@@ -87,6 +87,9 @@ class ActorPool:
     def _after_restart(self, worker) -> None:
         pass
 
+    def _after_removal(self) -> None:
+        pass
+
     def ready(self) -> list:
         """ObjectRefs that resolve once every worker's constructor has finished (see :func:`wait_ready`)."""
         return [w.ready.remote() for w in self.workers]
@@ -101,6 +104,7 @@ class ActorPool:
         before = len(self.workers)
         while len(self.workers) > count:
             ray.kill(self.workers.pop(), no_restart=True)
+            self._after_removal()
         new = [self._spawn_named(i, f"s{time.monotonic_ns()}") for i in range(len(self.workers), count)]
         for w in new:
             self._after_restart(w)
@@ -148,7 +152,7 @@ class RolloutPool(ActorPool):
         self.version = 0
         self.buckets: list = []  # the last object-store push (a new engine loads exactly that version)
         self.current_weights = current_weights
-        self.membership = 0  # bumped whenever a worker is replaced or added (a weight group must be re-formed)
+        self.membership = 0  # bumped whenever a worker is replaced, added or removed (a weight group is re-formed)
         super().__init__(cfg.rollout.num_workers, cfg.rollout.max_restarts)
 
     def _spawn(self, index: int, name: str):
@@ -167,6 +171,9 @@ class RolloutPool(ActorPool):
         buckets = self.buckets or (self.current_weights() if self.current_weights and self.version else [])
         if buckets:
             ray.get(worker.load_weights.remote(buckets, self.version))
+
+    def _after_removal(self) -> None:
+        self.membership += 1  # a collective weight group without the removed engine is formed before the next push
 
     def load_model(self, path: str) -> None:
         """Every engine reloads the weights of the model directory ``path`` from disk, in place (a run without a
