@@ -120,7 +120,8 @@ def against_vllm_serve(label: str, model: str, n: int, dtype: str) -> dict:
         server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         _wait_healthy(server, port, log)
-        return {key: _run_agent(module, port, n) for key, module in AGENTS.items()}
+        return {key: _run_agent(module, port, n, RUNS_DIR / f"agent_example-serve-{label}-{key}.jsonl")
+                for key, module in AGENTS.items()}
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
@@ -143,10 +144,10 @@ def _wait_healthy(server: subprocess.Popen, port: int, log: Path) -> None:
             time.sleep(3)
 
 
-def _run_agent(module: str, port: int, n: int) -> dict:
+def _run_agent(module: str, port: int, n: int, out: Path) -> dict:
     t0 = time.perf_counter()
     res = subprocess.run([PY, "-m", module, "--base-url", f"http://127.0.0.1:{port}/v1", "--model", "policy",
-                          "--api-key", "bench", "--n", str(n)],
+                          "--api-key", "bench", "--n", str(n), "--out", str(out)],
                          capture_output=True, text=True, env={**os.environ, **SUBPROCESS_ENV}, timeout=1800)
     if res.returncode:
         raise RuntimeError(f"{module} failed: {res.stderr[-2000:]}")

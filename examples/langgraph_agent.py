@@ -44,12 +44,12 @@ def build_graph(llm):
     return graph.compile()
 
 
-async def solve(client, task: dict, model: str = "policy", max_turns: int = 3, calls: list | None = None,
+async def solve(client, task: dict, model: str = "policy", max_turns: int = 3, transcript: list | None = None,
                 temperature: float | None = None) -> float:
     """The graph on one task through ``client`` (an ``openai.AsyncOpenAI``); 1.0 when the last reply's last number
-    is the answer, 0.0 when it is not or the model still calls tools after ``max_turns`` replies (``calls``, when
-    given, gets the name of every tool the model called)."""
-    from langchain_core.messages import HumanMessage, SystemMessage
+    is the answer, 0.0 when it is not or the model still calls tools after ``max_turns`` replies (``transcript``,
+    when given, gets the conversation's messages in the OpenAI format)."""
+    from langchain_core.messages import HumanMessage, SystemMessage, convert_to_openai_messages
     from langchain_openai import ChatOpenAI
     from langgraph.errors import GraphRecursionError
 
@@ -62,41 +62,12 @@ async def solve(client, task: dict, model: str = "policy", max_turns: int = 3, c
             {"recursion_limit": 2 * max_turns - 1})  # agent, tools, ..., agent: max_turns model calls
     except GraphRecursionError:
         return 0.0
-    if calls is not None:
-        calls += [c["name"] for m in state["messages"] for c in getattr(m, "tool_calls", None) or []]
+    if transcript is not None:
+        transcript += convert_to_openai_messages(state["messages"])
     return float(correct(state["messages"][-1].content, task["answer"]))
 
 
-def main() -> None:
-    import argparse
-    import asyncio
-    import json
-
-    import openai
-
-    from rewards.tasks import ToolChoiceTask
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base-url", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--api-key", default="none")
-    ap.add_argument("--n", type=int, default=20)  # greedy (an evaluation)
-    args = ap.parse_args()
-    client = openai.AsyncOpenAI(base_url=args.base_url, api_key=args.api_key)
-    tasks = [{**p.metadata, "prompt": p.text} for p in ToolChoiceTask().eval_set(args.n)]
-
-    calls: list[list] = [[] for _ in tasks]
-
-    async def run():
-        return await asyncio.gather(*(solve(client, t, args.model, calls=c, temperature=0.0)
-                                      for t, c in zip(tasks, calls)))
-
-    rewards = asyncio.run(run())
-    called = [(c[0], t.get("tool")) for c, t in zip(calls, tasks) if c]
-    print(json.dumps({"n": len(rewards), "accuracy": sum(rewards) / len(rewards),
-                      "tool_call_rate": len(called) / len(tasks),
-                      "right_tool_rate": sum(name == tool for name, tool in called) / max(len(called), 1)}))
-
-
 if __name__ == "__main__":
-    main()
+    from examples.math_agent import evaluate
+
+    evaluate(solve, __doc__.splitlines()[0], temperature=0.0)  # greedy: an evaluation

@@ -69,18 +69,17 @@ def correct(reply: str | None, answer: str) -> bool:
     return bool(numbers) and numbers[-1] == str(answer)
 
 
-async def solve(client, task: dict, model: str = "policy", max_turns: int = 3, calls: list | None = None,
+async def solve(client, task: dict, model: str = "policy", max_turns: int = 3, transcript: list | None = None,
                 **sampling) -> float:
     """Ask, run the tools the model calls, and return 1.0 when the final reply's last number is the answer
-    (``calls``, when given, gets the name of every tool the model called)."""
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["prompt"]}]
+    (``transcript``, when given, gets the conversation's messages)."""
+    messages = transcript if transcript is not None else []
+    messages += [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["prompt"]}]
     for _ in range(max_turns):
         reply = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=64,
                                                      **sampling)
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
-        if calls is not None:
-            calls += [call.function.name for call in message.tool_calls or []]
         if not message.tool_calls:
             return float(correct(message.content, task["answer"]))
         for call in message.tool_calls:
@@ -89,7 +88,10 @@ async def solve(client, task: dict, model: str = "policy", max_turns: int = 3, c
     return 0.0
 
 
-def main() -> None:
+def evaluate(solve_fn, description: str, **sampling) -> None:
+    """``python -m <agent> --base-url URL --model M [--n N] [--out FILE]``: the agent on the ``tool_choice`` task's
+    first N held-out problems against any OpenAI-compatible server; prints its accuracy and tool-call rates and
+    writes every conversation to ``--out``. ``solve_fn(client, task, model, transcript=list)``."""
     import argparse
     import asyncio
 
@@ -97,28 +99,32 @@ def main() -> None:
 
     from rewards.tasks import ToolChoiceTask
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--base-url", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--api-key", default="none")
     ap.add_argument("--n", type=int, default=20)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (an evaluation)")
+    ap.add_argument("--out", help="JSONL: each problem's conversation and reward")
     args = ap.parse_args()
     client = openai.AsyncOpenAI(base_url=args.base_url, api_key=args.api_key)
     tasks = [{**p.metadata, "prompt": p.text} for p in ToolChoiceTask().eval_set(args.n)]
-
-    calls: list[list] = [[] for _ in tasks]
+    transcripts: list[list] = [[] for _ in tasks]
 
     async def run():
-        return await asyncio.gather(*(solve(client, t, args.model, calls=c, temperature=args.temperature)
-                                      for t, c in zip(tasks, calls)))
+        return await asyncio.gather(*(solve_fn(client, t, args.model, transcript=m, **sampling)
+                                      for t, m in zip(tasks, transcripts)))
 
     rewards = asyncio.run(run())
-    called = [(c[0], t.get("tool")) for c, t in zip(calls, tasks) if c]
+    first = [next((c["function"]["name"] for m in ms for c in m.get("tool_calls") or []), None) for ms in transcripts]
+    called = [(name, t.get("tool")) for name, t in zip(first, tasks) if name]
+    if args.out:
+        with open(args.out, "w") as f:
+            for t, ms, r in zip(tasks, transcripts, rewards):
+                f.write(json.dumps({"task": t, "reward": r, "messages": ms}) + "\n")
     print(json.dumps({"n": len(rewards), "accuracy": sum(rewards) / len(rewards),
                       "tool_call_rate": len(called) / len(tasks),
                       "right_tool_rate": sum(name == tool for name, tool in called) / max(len(called), 1)}))
 
 
 if __name__ == "__main__":
-    main()
+    evaluate(solve, __doc__.splitlines()[0], temperature=0.0)  # greedy: an evaluation
