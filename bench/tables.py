@@ -313,7 +313,7 @@ def agent_example(result: dict) -> str:
         o, v = entry["outside"], entry["vllm_serve"]
         lg = entry.get("vllm_serve_langgraph")
         return [f"{o['last_int']['accuracy']:.2f} +- {o['last_int']['se']:.2f}", f"{o['tool_call_rate']:.2f}",
-                f"{o.get('right_tool_rate', float('nan')):.2f}",
+                f"{o['right_tool_rate']:.2f}" if "right_tool_rate" in o else "-",
                 f"{v['accuracy']:.2f} (tool calls {v['tool_call_rate']:.2f})",
                 "-" if lg is None else f"{lg['accuracy']:.2f} (tool calls {lg['tool_call_rate']:.2f})"]
 
