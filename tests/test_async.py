@@ -272,13 +272,18 @@ SCALED = textwrap.dedent("""
         metrics = run_dir / "metrics.jsonl"
         while not metrics.exists() or not metrics.read_text().strip():
             time.sleep(0.02)
-        resized.update(scale(rollout=1, reward=None, run=run_dir.name, address=None, wait_s=300))
+        try:
+            resized.update(scale(rollout=1, reward=None, run=run_dir.name, address=None, wait_s=300))
+        except Exception as e:
+            resized["error"] = repr(e)
 
-    threading.Thread(target=scaler, daemon=True).start()
+    thread = threading.Thread(target=scaler, daemon=True)
+    thread.start()
     fleet = Fleet(load_config(None, []), Roles())  # its own actors: the scaled pool is not the shared fleet's
     run_training(load_config(None, [f"run.dir={run_dir}", f"model.path={model}", *json.loads(sys.argv[3])]),
                  fleet=fleet)
     fleet.stop()
+    thread.join(60)  # scale() polls the run's status until it shows the new size
     print("RESULT", json.dumps(resized), flush=True)
 """)
 
@@ -301,7 +306,8 @@ def test_async_waits_trains_lora_over_the_collective_push_and_scales_while_it_st
                        env=env, capture_output=True, text=True, timeout=900)
     lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
     assert r.returncode == 0 and lines, (r.stdout + r.stderr)[-6000:]
-    assert json.loads(lines[0][len("RESULT "):])["rollout_workers"] == 1
+    resized = json.loads(lines[0][len("RESULT "):])
+    assert resized.get("rollout_workers") == 1, resized
     train = [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in x]
     assert [x["step"] for x in train] == [0, 1, 2, 3]
     assert train[0]["rollout/workers"] == 2 and train[-1]["rollout/workers"] == 1
