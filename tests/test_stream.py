@@ -181,3 +181,40 @@ def test_a_streaming_rollout_actor_takes_a_push_while_it_generates(tmp_path, emb
             assert x["meta"] == {"i": int(x["uid"][1:])}
     assert spans > 0  # the push met samples mid-generation, and they went on
     assert out["during"] == [["x", 1, None]]  # answered by the pushed weights, outside the stream
+
+
+class _FailingStream:
+    """A stream whose engine step raises once a request is in flight (a dead engine mid-stream)."""
+
+    def __init__(self):
+        self.in_flight = {}
+
+    def step(self):
+        raise RuntimeError("engine step failed")
+
+    def abort_all(self):
+        return 0
+
+
+def test_a_call_to_a_stream_whose_thread_ended_is_answered_at_once_not_after_its_timeout():
+    """StreamService: a call queued after the stream's thread ended (closed, or its engine step raised between the
+    caller's check and the queueing) fails at once naming why, instead of waiting out its timeout (the end of an
+    async run waited 300 s on one engine's `stream_stop` this way)."""
+    import time
+
+    from workers.stream import StreamService
+
+    closed = StreamService(_FailingStream(), lambda p: p)
+    closed.close()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="was closed"):
+        closed.call(lambda: 1, "stream_stop", timeout=60)
+    assert time.monotonic() - t0 < 5
+    failing = StreamService(_FailingStream(), lambda p: p)
+    failing.stream.in_flight = {"p": None}  # the next step raises and ends the thread
+    failing.thread.join(10)
+    failing.error = None  # as if the caller had checked just before the thread ended
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="generation stream"):
+        failing.call(lambda: 1, "stream_stop", timeout=60)
+    assert time.monotonic() - t0 < 5

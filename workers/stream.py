@@ -153,10 +153,16 @@ class StreamService:
             raise RuntimeError(f"the generation stream stopped: {self.error!r}")
         future: Future = Future()
         self.commands.put((fn, future))
-        try:
-            return future.result(timeout)
-        except FutureTimeout:
-            raise TimeoutError(f"{what}: the generation stream did not take it within {timeout:.0f} s") from None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return future.result(min(1.0, max(0.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                if not self.thread.is_alive():  # it ended after this call was queued: answered, not waited out
+                    self._fail_queued()
+                elif time.monotonic() >= deadline:
+                    raise TimeoutError(f"{what}: the generation stream did not take it within {timeout:.0f} s") \
+                        from None
 
     @property
     def idle_s(self) -> float:
@@ -210,3 +216,18 @@ class StreamService:
                         self.finished += done
         except BaseException as e:  # noqa: BLE001 - reported by the next call or take
             self.error = e
+        finally:  # a call queued while the thread ended gets an answer instead of waiting out its timeout
+            self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        import queue
+
+        why = RuntimeError(f"the generation stream stopped: {self.error!r}" if self.error is not None
+                           else "the generation stream was closed")
+        while True:
+            try:
+                item = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            if item:
+                item[1].set_exception(why)

@@ -22,6 +22,7 @@ admits prompts, polls finished samples, scores complete groups and hands batches
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from typing import TYPE_CHECKING
 from orchestrator.rl.collect import check_reward_errors, reward_calls
 from rewards.tasks import Prompt
 from workers.records import Collected, Sample, ScoredSample
+
+log = logging.getLogger("fleetrl")
 
 if TYPE_CHECKING:
     from orchestrator.rl.driver import Run
@@ -258,11 +261,13 @@ class AsyncRollout:
         """Every engine back to call-by-call generation; its unfinished samples are dropped with the run."""
         import ray
 
-        for w in self.run.fleet.rollouts.workers:  # every engine (stream_stop is a no-op on one not streaming)
+        for i, w in enumerate(self.run.fleet.rollouts.workers):  # every engine (a no-op on one not streaming)
             try:
                 ray.get(w.stream_stop.remote())
-            except ray.exceptions.RayError:  # a dead engine streams nothing
+            except ray.exceptions.RayActorError:  # a dead engine streams nothing
                 pass
+            except ray.exceptions.RayError as e:  # its stream had failed: the run is over, say so and go on
+                log.warning("stopping the stream of rollout engine %d: %s", i, str(e).strip().splitlines()[-1][:300])
         self.streaming.clear()
 
     # ---- the parts --------------------------------------------------------------------------------------------
