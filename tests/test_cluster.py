@@ -155,3 +155,39 @@ def _check_exactly_once(run_dir: Path, rows: list[dict]) -> None:
         assert all(isinstance(d["reward"], float) and "math" in d["components"] for d in dump)
         two_worker_steps += len({d["worker"] for d in dump}) == 2
     assert two_worker_steps >= 1
+
+
+RERUN = """
+import json, os, sys
+from pathlib import Path
+import ray
+from orchestrator.ops.controller import start_controller
+from orchestrator.ops.jobs import scale
+from orchestrator.ops.run_status import RunStatus
+
+ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)  # the session's head (tests/conftest.py)
+Path(sys.argv[1]).mkdir()
+old = RunStatus(Path(sys.argv[1]))  # an earlier run of the same name ended at step 7
+old.step({"step": 7, "rollout/workers": 2, "reward/workers": 1})
+old.finish("finished")
+ctl = start_controller(Path(sys.argv[1]).name, 2, 1)  # (held) the new run's controller; no step of it is in yet
+try:
+    scale(rollout=1, reward=None, run=Path(sys.argv[1]).name, address=None, wait_s=2)
+except Exception as e:
+    print("RESULT", json.dumps(type(e).__name__ + ": " + str(e)))
+"""
+
+
+@pytest.mark.e2e
+def test_scale_before_a_reruns_first_step_waits_for_it_not_for_the_earlier_runs_end(tmp_path):
+    """A run named like an earlier one (`tmp_path/run` in every test) is scaled before its first step is in: `scale`
+    must wait for this run to apply it, not answer from the earlier run's ended record (CI saw "the run ended before
+    the resize was applied (last step 7)" from a 4-step run). Joins the shared head; starts no engine."""
+    from tests.conftest import shared_ray_env
+
+    env = subprocess_env(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", **shared_ray_env())
+    r = subprocess.run([sys.executable, "-c", RERUN, str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, (r.stdout + r.stderr)[-4000:]
+    assert json.loads(lines[0][7:]).startswith("TimeoutError: the run did not reach"), lines[0]

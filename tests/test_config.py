@@ -89,13 +89,22 @@ def test_cli_config_show_prints_resolved_config():
     assert r.returncode == 0 and "group_size: 4" in r.stdout
 
 
-def test_the_fleetrl_script_finds_plugins_of_the_working_directory():
+def test_the_fleetrl_script_finds_plugins_of_the_working_directory(smollm2_tokenizer_dir):
     """``env.agent: examples.math_agent:solve`` from the repo root, through the installed ``fleetrl`` script (whose
-    ``sys.path[0]`` is its bin directory, not the working directory as under ``python -m``)."""
+    ``sys.path[0]`` is its bin directory, not the working directory as under ``python -m``). SmolLM2's tokenizer
+    (the agent's chat template is checked at load), not its converted weights: a clean clone has none yet."""
     script = Path(sys.executable).parent / "fleetrl"
-    r = subprocess.run([str(script), "config", "show", "-c", "configs/smollm2_agent.yaml"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run([str(script), "config", "show", "-c", "configs/smollm2_agent.yaml",
+                        f"model.path={smollm2_tokenizer_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "agent: examples.math_agent:solve" in r.stdout, r.stderr
+
+
+def test_a_missing_model_of_a_config_that_reads_its_tokenizer_at_load_is_a_clear_error():
+    """`configs/smollm2_agent.yaml` checks the model's chat template at load: without `make smollm2` that was
+    transformers' hub traceback ("Repo id must be in the form ...", exit 1); now the key and the way to get one."""
+    r = cli("config", "show", "-c", "configs/smollm2_agent.yaml", "model.path=.fleetrl/models/not-converted")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "model.path: '.fleetrl/models/not-converted' is not a model directory" in r.stderr
 
 
 def test_cli_missing_model_path_is_a_clear_error(tmp_path):

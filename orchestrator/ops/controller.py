@@ -116,11 +116,15 @@ def _make_metrics(run: str) -> dict:
 
 
 def start_controller(run: str, rollout_workers: int, reward_workers: int, env_workers: int = 0):
-    """Start the run's controller actor (a stale one of a finished run with the same name is replaced)."""
+    """Start the run's controller actor (a stale one of a finished run with the same name is replaced, and so is
+    that run's status record)."""
     import contextlib
 
     import ray
 
+    from orchestrator.ops.run_status import announce
+
+    announce(run, {"rollout_workers": rollout_workers, "reward_workers": reward_workers, "env_workers": env_workers})
     name = controller_name(run)
     with contextlib.suppress(ValueError):
         ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)

@@ -45,10 +45,19 @@ class RunStatus:
         import ray
 
         if ray.is_initialized():
-            from ray.experimental import internal_kv
+            _put(self.data["run"], text)
 
-            internal_kv._internal_kv_put(kv_key(self.data["run"]), text.encode(), overwrite=True,
-                                         namespace=KV_NAMESPACE)
+
+def announce(run: str, sizes: dict) -> None:
+    """A new run named ``run`` starts: its record in the cluster's store says so before anyone can reach its
+    controller, so that `fleetrl scale` or `stop` never read the ended record of an earlier run of the same name."""
+    _put(run, json.dumps({"run": run, "state": "running", "started": time.time(), **sizes}))
+
+
+def _put(run: str, text: str) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(kv_key(run), text.encode(), overwrite=True, namespace=KV_NAMESPACE)
 
 
 def read_status(run: str) -> dict | None:
