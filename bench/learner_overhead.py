@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
 from bench.build_models import model_path
 from bench.common import PY, SUBPROCESS_ENV, parse_args, print_table, require_model, save_result
+from common.net import free_port
 
 CONFIG = "configs/gen_heavy.yaml"
 FP32 = ["rollout.dtype=float32", "learner.mixed_precision=null"]
@@ -156,19 +156,13 @@ def _numbers(times: list[float], logps: list, peaks: list[float] | None = None) 
             "peak_rss_mb": [round(p) for p in (peaks or [_peak_mb()])], "logp": [r for part in logps for r in part]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def run_variant(label: str, model: str, samples: int, response: int, repeats: int) -> dict:
     kind, world, threads, zero, extra = VARIANTS[label]
     env = {**os.environ, **SUBPROCESS_ENV, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(threads)}
     if kind == "torch":
         calls = [f"torch_loop({model!r}, {samples}, {response}, {threads}, {repeats})"]
     else:
-        port = _free_port()
+        port = free_port()
         calls = [f"fleetrl_rank({model!r}, {samples}, {response}, {r}, {world}, {port}, {threads}, {zero}, "
                  f"{extra!r}, {repeats})" for r in range(world)]
     procs = [subprocess.Popen([PY, "-c", f"import json; from bench.learner_overhead import *; "

@@ -40,9 +40,9 @@ def worker(model_dir):
 def _rank(model_dir: str, dsc: dict, lora: dict | None, role: str = "actor"):
     """A fresh learner rank (world size 1, seed 0, GRPO with a KL reference; ``role="critic"``: PPO's critic)
     under DeepSpeed config ``dsc``."""
+    from common.net import free_port
     from learner.algorithms import critic_loss_kwargs, loss_kwargs
     from learner.worker import LearnerSpec, LearnerWorker
-    from orchestrator.rl.learner_group import _free_port
     from orchestrator.rl.specs import learner_layout
 
     algo = "ppo" if role == "critic" else "grpo"
@@ -50,7 +50,7 @@ def _rank(model_dir: str, dsc: dict, lora: dict | None, role: str = "actor"):
     kwargs = critic_loss_kwargs(cfg.algorithm) if role == "critic" else loss_kwargs(cfg.algorithm)
     spec = LearnerSpec(model_dir, "float32", dsc, kwargs, 1.0, 0, role=role, reference=role == "actor",
                        layout=learner_layout(cfg), lora=lora)
-    return LearnerWorker(0, 1, "127.0.0.1", _free_port(), spec, 1)
+    return LearnerWorker(0, 1, "127.0.0.1", free_port(), spec, 1)
 
 
 def test_a_lora_critic_trains_its_adapters_and_value_head_only(model_dir, process_group, tmp_path):

@@ -3,25 +3,19 @@ the helpers that gather their calls (a dead rank ends the run: :class:`LearnerDi
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from common.net import free_port
 from learner.batch import TrainBatch
 from learner.worker import LearnerWorker
 from orchestrator.config import FleetConfig
 from orchestrator.ops.console import actor_failed, actor_label, remember_actor
 from orchestrator.rl.pools import DIED, StartupTimeout, _free
 from orchestrator.rl.specs import learner_spec, log_env, placement_key
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class LearnerGroup:
@@ -42,7 +36,7 @@ class LearnerGroup:
                                  f"{cfg.run.startup_timeout_s:g} s (run.startup_timeout_s); the cluster has free "
                                  f"{_free()}")
         master_addr = self._bundle0_ip()
-        port = lc.master_port or _free_port()
+        port = lc.master_port or free_port()
         spec = learner_spec(cfg, role)
         self.micro_batch_size = spec.ds_config["train_micro_batch_size_per_gpu"]
         self.ranks = [

@@ -28,6 +28,7 @@ import importlib
 import inspect
 import itertools
 
+from common.net import free_port
 from workers.envs.endpoint import Endpoint, reward_of
 from workers.envs.episode import Episode
 from workers.envs.sessions import SessionLimits
@@ -65,7 +66,7 @@ class AgentRunner:
         self.spec, self.fn = env["agent"], load_agent(env["agent"])
         self.timeout_s = env["episode_timeout_s"]
         host = env.get("endpoint_host", "127.0.0.1")
-        port = _free_port(host) if self.fn is None else 0  # external agents keep one address across calls
+        port = free_port(host) if self.fn is None else 0  # external agents keep one address across calls
         self.endpoint = Endpoint(tokenizer, "policy", SessionLimits(env["max_turns"], env["max_total_tokens"],
                                                                     max_new_tokens),
                                  sampling, env.get("system_prompt"), host, port)
@@ -157,11 +158,3 @@ class AgentRunner:
         if error:
             ep.info["error"] = error
         return ep
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
