@@ -126,14 +126,14 @@ def _first_to_die_at(marker: Path) -> bool:
 @pytest.mark.e2e
 def test_an_openai_client_agent_trains_on_exactly_the_tokens_its_calls_sampled(tmp_path, smollm2):
     """Only this guards agent code as the environment (env.agent) on the real stack: an agent written against the
-    `openai` client (two calls per session) runs 64 concurrent sessions over 2 SmolLM2 engines per step through
+    `openai` client (two calls per session) runs 32 concurrent sessions over 2 SmolLM2 engines per step through
     their endpoints. The learner's logprob of every sampled token, in the context the sessions built (the sampled
     ids, then only the new message's ids), equals the engine's; the appended message carries no loss; an engine
     dies mid-session and is replaced, its sessions run again, and the step is full."""
     AGENT_DIES_ONCE.unlink(missing_ok=True)
     run_dir = tmp_path / "run"
     rows = run_fleetrl(run_dir, "-c", str(ROOT / "configs/smollm2_agent.yaml"), f"model.path={smollm2}",
-                       "env.agent=tests.test_agents:dying_solve", "data.prompts_per_step=16", "rollout.group_size=4",
+                       "env.agent=tests.test_agents:dying_solve", "data.prompts_per_step=8", "rollout.group_size=4",
                        "rollout.max_new_tokens=32", "env.max_total_tokens=512", "learner.num_ranks=1",
                        "learner.zero_stage=0", "trainer.torch_threads=2", "trainer.total_steps=1",
                        "trainer.eval_every=0", "trainer.time_budget_s=null", "run.dump_rollouts=true", timeout=900)
@@ -146,7 +146,7 @@ def test_an_openai_client_agent_trains_on_exactly_the_tokens_its_calls_sampled(t
         assert row["agent/calls_mean"] >= 1 and row["agent/forks"] == 0, {k: v for k, v in row.items()
                                                                           if k.startswith(("agent/", "env/"))}
         dumped = _dumped(run_dir, step)
-        assert len(dumped) == 64
+        assert len(dumped) == 32
         for r in dumped:
             ids, mask, ep = r["completion_ids"], r["loss_mask"], r["episode"]
             assert len(mask) == len(ids) and ep["counters"]["agent/calls"] == ep["turns"] == 2

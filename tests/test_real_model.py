@@ -28,9 +28,9 @@ def test_smollm2_chat_grpo_end_to_end(tmp_path, smollm2):
                        "data.system_prompt=Reply with the final number only.", "rollout.num_workers=1",
                        "rollout.kv_cache_gib=0.1", "learner.num_ranks=2", "learner.zero_stage=2",
                        "learner.micro_batch_tokens=96", "learner.gradient_checkpointing=true", "learner.lr=1e-5",
-                       "trainer.total_steps=2", "trainer.eval_every=2", "run.dump_rollouts=true", timeout=900)
+                       "trainer.total_steps=1", "trainer.eval_every=1", "run.dump_rollouts=true", timeout=900)
     train = [r for r in rows if "reward/mean" in r]
-    assert len(train) == 2 and "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
+    assert len(train) == 1 and "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
     for r in train:  # fp32 engine and learner: the pushed weights (tied embedding included) arrived
         assert r["weight_sync/logprob_max_diff"] < 1e-3, r["weight_sync/logprob_max_diff"]
         assert math.isfinite(r["loss"]) and r["actor/grad_norm"] > 0
