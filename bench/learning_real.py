@@ -1,6 +1,7 @@
 """Learning per step and per minute on a real chat model, fleetrl against TRL's GRPOTrainer, several seeds each.
 
-    python -m bench.learning_real [--seeds 0 1 2] [--steps 20] [--checkpoints 10 20] [--eval-size 100] [--quick]
+    python -m bench.learning_real [--seeds 0 1 2] [--steps 20] [--checkpoints 10 20] [--eval-size 100]
+                                  [--systems fleetrl trl | fleetrl-async] [--quick]
 
 SmolLM2-135M-Instruct on the GRPO demo's task (``configs/smollm2_arith.yaml``: "What is 17 + 5?" as a user
 message in the model's chat template, operands 0-50), both systems at TRL's GRPO settings: temperature 1.0, top-p
@@ -10,6 +11,9 @@ batch, fp32 everywhere, the same prompts in the same order (step s trains on the
 the seed's prompt stream). fleetrl: 2 vLLM engines, 1 reward actor, 2 DeepSpeed ranks (the demo's layout),
 ``run.seed`` = the seed (prompt stream, sampling, learner), no truncated-IS weight (TRL samples with the policy
 itself). TRL: :mod:`bench.trl_grpo` (``generate`` in one process, 2 threads), ``--seed`` = the seed.
+``fleetrl-async``: the same fleetrl run with ``rollout.mode: async`` and ``rollout.max_staleness: 1`` (the engines
+never stop; a token may come from the policy one push behind), truncated-IS weight off as in the sync run. Systems
+other than the default pair write ``learning_real-<systems>.json``.
 
 Each system saves its policy after every ``--checkpoints`` step; every saved policy, and the base once, is scored
 outside both systems by :mod:`bench.outside_eval` (transformers ``generate``, greedy, ``--eval-size`` held-out
@@ -36,6 +40,7 @@ def _extra(ap) -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--checkpoints", type=int, nargs="+", default=[10, 20])
     ap.add_argument("--eval-size", type=int, default=100)
+    ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=["fleetrl", "trl"])
 
 
 def outside(model: str, n: int, out: str) -> dict:
@@ -44,9 +49,13 @@ def outside(model: str, n: int, out: str) -> dict:
     return outside_eval(["-c", CONFIG, "--model", model, "--n", str(n), "--out", out])
 
 
-def fleetrl_run(name: str, seed: int, steps: int, every: int) -> dict:
+SYSTEMS = {"fleetrl": [], "fleetrl-async": ["rollout.mode=async", "rollout.max_staleness=1"], "trl": None}
+"""System -> the fleetrl overrides of its mode (None: TRL)."""
+
+
+def fleetrl_run(name: str, seed: int, steps: int, every: int, mode: list[str]) -> dict:
     """One fleetrl run; ``{step: (training minutes, policy dir)}`` at each saved checkpoint."""
-    run = run_fleetrl(name, CONFIG, [
+    run = run_fleetrl(name, CONFIG, [*mode,
         f"run.seed={seed}", f"trainer.total_steps={steps}", "trainer.eval_every=0", f"trainer.save_every={every}",
         f"trainer.keep_checkpoints={steps // every + 1}", f"data.prompts_per_step={P}", f"rollout.group_size={G}",
         f"rollout.max_new_tokens={L}", f"rollout.temperature={T}", f"learner.lr={LR}", "algorithm.eps=1e-4",
@@ -92,16 +101,16 @@ def main(argv: list[str] | None = None) -> None:
     if any(c % every for c in args.checkpoints) or max(args.checkpoints) > args.steps:
         raise SystemExit(f"--checkpoints {args.checkpoints}: multiples of the first, none past --steps {args.steps}")
     tag = "-quick" if args.quick else ""
-    for old in RUNS_DIR.glob(f"learning_real{tag}-*"):
+    for old in [p for system in args.systems for p in RUNS_DIR.glob(f"learning_real{tag}-{system}-s*")]:
         shutil.rmtree(old) if old.is_dir() else old.unlink()
     RUNS_DIR.mkdir(parents=True, exist_ok=True)
     base = outside(BASE, args.eval_size, str(RUNS_DIR / f"learning_real{tag}-base.jsonl"))
-    runs: dict[str, dict] = {"fleetrl": {}, "trl": {}}
+    runs: dict[str, dict] = {system: {} for system in args.systems}
     for seed in args.seeds:
         for system in runs:
             name = f"learning_real{tag}-{system}-s{seed}"
-            run = (fleetrl_run(name, seed, args.steps, every) if system == "fleetrl"
-                   else trl_run(name, seed, args.steps, args.checkpoints))
+            run = (trl_run(name, seed, args.steps, args.checkpoints) if SYSTEMS[system] is None
+                   else fleetrl_run(name, seed, args.steps, every, SYSTEMS[system]))
             run["minutes"] = {s: m for s, (m, _) in run["checkpoints"].items()}
             run["outside"] = {s: outside(path, args.eval_size, str(RUNS_DIR / f"{name}-step{s}.jsonl"))
                               for s, (_, path) in run["checkpoints"].items() if s in args.checkpoints}
@@ -119,7 +128,9 @@ def main(argv: list[str] | None = None) -> None:
                 [[r["system"], r["step"], f"{r['accuracy_mean']:.3f} +- {r['accuracy_sd']:.3f}",
                   " ".join(f"{a:.2f}" for a in r["per_seed"]), f"{r['single_mean']:.3f}",
                   f"{r['minutes_mean']:.1f} +- {r['minutes_sd']:.1f}"] for r in rows])
-    save_result("learning_real", args.quick, {"settings": vars(args), "base": base, "runs": runs, "summary": rows})
+    label = "" if args.systems == ["fleetrl", "trl"] else "-" + "-".join(args.systems)
+    save_result(f"learning_real{label}", args.quick,
+                {"settings": vars(args), "base": base, "runs": runs, "summary": rows})
 
 
 if __name__ == "__main__":
