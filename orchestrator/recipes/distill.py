@@ -17,18 +17,10 @@ import json
 import logging
 from pathlib import Path
 
-from orchestrator.config import ConfigError, FleetConfig
+from orchestrator.config import FleetConfig
+from orchestrator.rl.launch import check_teacher
 
 log = logging.getLogger("fleetrl")
-
-
-def check_teacher(cfg: FleetConfig) -> Path:
-    teacher = cfg.distill.teacher
-    if not teacher:
-        raise ConfigError("distill.teacher: give the teacher's local HF model directory")
-    if not (Path(teacher) / "config.json").exists():
-        raise ConfigError(f"distill.teacher: {teacher!r} is not a model directory (no config.json there)")
-    return Path(teacher)
 
 
 def teacher_data(cfg: FleetConfig, out: Path, fleet=None) -> dict:

@@ -212,7 +212,7 @@ def _stage_tree(base: dict, overrides: list[str], where: str) -> dict:
 def check_inputs(stages: list[Stage]) -> None:
     """Data files, pairs files and teachers of every stage, before anything starts."""
     from orchestrator.recipes.data import load_pairs, load_sft_rows
-    from orchestrator.recipes.distill import check_teacher
+    from orchestrator.rl.launch import check_teacher
 
     for st in stages:
         where = f"stage {st.index} ({st.name})"

@@ -117,6 +117,16 @@ def check_model_dir(path: Path, key: str) -> None:
         raise ConfigError(f"{key}: {path} has a config.json but no weights (*.safetensors or pytorch_model*.bin)")
 
 
+def check_teacher(cfg: FleetConfig) -> Path:
+    """``distill.teacher``: a local model directory (offline and on-policy distillation read it)."""
+    teacher = cfg.distill.teacher
+    if not teacher:
+        raise ConfigError("distill.teacher: give the teacher's local HF model directory")
+    if not (Path(teacher) / "config.json").exists():
+        raise ConfigError(f"distill.teacher: {teacher!r} is not a model directory (no config.json there)")
+    return Path(teacher)
+
+
 def ensure_model(cfg: FleetConfig) -> None:
     """Build the embedded model when it is the configured one and missing; fail clearly for other paths."""
     path = Path(cfg.model.path)

@@ -378,8 +378,7 @@ def check_same_tokenizer(cfg: FleetConfig) -> None:
     directory whose tokenizer is the student's (vocabulary and special tokens), a ConfigError otherwise (the
     embedded student's tokenizer is known before it is built)."""
     from orchestrator.config import ConfigError
-    from orchestrator.recipes.distill import check_teacher
-    from orchestrator.rl.launch import load_tokenizer
+    from orchestrator.rl.launch import check_teacher, load_tokenizer
 
     teacher = check_teacher(cfg)
     student_tok, teacher_tok = load_tokenizer(cfg.model.path), load_tokenizer(str(teacher))
