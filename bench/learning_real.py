@@ -12,7 +12,8 @@ the seed's prompt stream). fleetrl: 2 vLLM engines, 1 reward actor, 2 DeepSpeed 
 ``run.seed`` = the seed (prompt stream, sampling, learner), no truncated-IS weight (TRL samples with the policy
 itself). TRL: :mod:`bench.trl_grpo` (``generate`` in one process, 2 threads), ``--seed`` = the seed.
 ``fleetrl-async``: the same fleetrl run with ``rollout.mode: async`` and ``rollout.max_staleness: 1`` (the engines
-never stop; a token may come from the policy one push behind), truncated-IS weight off as in the sync run. Systems
+never stop; a token may come from the policy one push behind) and the truncated-IS weight its staleness needs
+(``algorithm.tis_cap: 2.0``; fleetrl refuses async with a stale bound and no correction). Systems
 other than the default pair write ``learning_real-<systems>.json``.
 
 Each system saves its policy after every ``--checkpoints`` step; every saved policy, and the base once, is scored
@@ -49,17 +50,18 @@ def outside(model: str, n: int, out: str) -> dict:
     return outside_eval(["-c", CONFIG, "--model", model, "--n", str(n), "--out", out])
 
 
-SYSTEMS = {"fleetrl": [], "fleetrl-async": ["rollout.mode=async", "rollout.max_staleness=1"], "trl": None}
+SYSTEMS = {"fleetrl": [], "fleetrl-async": ["rollout.mode=async", "rollout.max_staleness=1", "algorithm.tis_cap=2.0"],
+           "trl": None}
 """System -> the fleetrl overrides of its mode (None: TRL)."""
 
 
 def fleetrl_run(name: str, seed: int, steps: int, every: int, mode: list[str]) -> dict:
     """One fleetrl run; ``{step: (training minutes, policy dir)}`` at each saved checkpoint."""
-    run = run_fleetrl(name, CONFIG, [*mode,
+    run = run_fleetrl(name, CONFIG, [
         f"run.seed={seed}", f"trainer.total_steps={steps}", "trainer.eval_every=0", f"trainer.save_every={every}",
         f"trainer.keep_checkpoints={steps // every + 1}", f"data.prompts_per_step={P}", f"rollout.group_size={G}",
         f"rollout.max_new_tokens={L}", f"rollout.temperature={T}", f"learner.lr={LR}", "algorithm.eps=1e-4",
-        "algorithm.tis_cap=null"], timeout_s=3600)
+        "algorithm.tis_cap=null", *mode], timeout_s=3600)
     out, minutes = {}, 0.0
     for row in run["rows"]:
         minutes += row.get("time/step_s", 0.0) / 60
