@@ -378,6 +378,7 @@ TABLES: dict[str, tuple[str, Callable[[dict], str]]] = {
     "async_cluster": ("async_cluster.json", async_cluster),
     "distill_compare": ("distill_compare.json", distill_compare),
     "learning_real": ("learning_real.json", learning_real),
+    "learning_real_async": ("learning_real-fleetrl-async.json", learning_real),
     "sampling_parity": ("sampling_parity.json", sampling_parity),
     "r1_recipes": ("r1_recipes.json", r1_recipes),
     "agent_example": ("agent_example.json", agent_example),
