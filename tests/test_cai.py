@@ -288,13 +288,12 @@ def test_sl_cai_then_rl_cai_in_a_pipeline_and_the_judges_probabilities_are_the_m
     tokens pass the engine's 4096-token step budget: vLLM's CPU runner crashed on a seeded prefill split across
     steps. The KV cache (1.5 GiB) holds all 64 at once: with 0.1 GiB it held 3-4, no step came near the budget,
     and this test passed with whole-prompt prefill turned off; now it fails so (seen)."""
-    from tests.test_pipeline import _env
+    from tests.conftest import fleetrl
 
     run_dir = tmp_path / "cai"
     recipe = tmp_path / "cai.yaml"
     recipe.write_text(TINY % (smollm2, run_dir))
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", "pipeline", "-c", str(recipe)], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=900)
+    proc = fleetrl("pipeline", "-c", str(recipe), timeout=900)  # on the session's fleet
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     stages = json.loads((run_dir / "summary.json").read_text())["stages"]
     assert [s["status"] for s in stages] == ["finished", "finished", "finished"]

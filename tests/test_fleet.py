@@ -81,9 +81,9 @@ def test_a_pipeline_recipe_is_shown_by_stage_and_refused_without_stage():
 
 def test_a_fleet_keeps_for_the_next_run_only_the_actors_that_fit_it():
     """What Fleet.serve compares: another algorithm, learning rate or starting model of the same shape keeps every
-    group (the ranks load the new run; the engines get its weights); other engine settings, ranks or reward
-    functions do not keep theirs."""
-    from orchestrator.rl.fleet import fit_keys
+    group (the ranks load the new run; the engines get its weights); other ranks, engine placement or reward
+    functions do not keep theirs, and other engine settings keep CPU rollout actors with new engines."""
+    from orchestrator.rl.fleet import engine_key, fit_keys
 
     base = fit_keys(load_config(None, []))
 
@@ -92,7 +92,12 @@ def test_a_fleet_keeps_for_the_next_run_only_the_actors_that_fit_it():
         return {role for role in base if other[role] != base[role]}
 
     assert changed("algorithm={}", "algorithm.name=sft", "learner.lr=0.1", "data.seed=3") == set()
-    assert changed("rollout.kv_cache_gib=0.5") == {"rollout"}
+    # CPU engines: other engine settings keep the rollout actors, which build new engines (engine_key); GPU: not
+    assert changed("rollout.kv_cache_gib=0.5", "rollout.cpu_threads=7") == {"feedback"}  # judges: not rebuilt
+    assert engine_key(load_config(None, ["rollout.kv_cache_gib=0.5"])) != engine_key(load_config(None, []))
+    assert "rollout" in changed("rollout.num_workers=1")  # another placement: new actors
+    gpu = fit_keys(load_config(None, ["rollout.num_gpus=1"]))["rollout"]
+    assert gpu != fit_keys(load_config(None, ["rollout.num_gpus=1", "rollout.kv_cache_gib=0.5"]))["rollout"]
     distill = fit_keys(load_config(None, ["algorithm.name=on_policy_distill", "distill.teacher=runs/t/final"]))
     for other in (["distill.teacher=runs/u/final"], ["distill.teacher_workers=2"], ["rollout.kv_cache_gib=0.5"]):
         keys = fit_keys(load_config(None, ["algorithm.name=on_policy_distill", "distill.teacher=runs/t/final", *other]))
@@ -104,7 +109,8 @@ def test_a_fleet_keeps_for_the_next_run_only_the_actors_that_fit_it():
     zero3 = fit_keys(load_config(None, ["learner.zero_stage=3"]))
     assert zero3["learner"] != fit_keys(load_config(None, ["learner.zero_stage=3"]))["learner"]  # never reused
     assert changed("reward.functions=[{name: math}, {name: format}]") == {"reward"}
-    assert changed("model.path=.fleetrl/models/calc-base") >= {"rollout"}  # another model shape (vocabulary)
+    calc = load_config(None, ["model.path=.fleetrl/models/calc-base"])
+    assert engine_key(calc) != engine_key(load_config(None, []))  # another model shape (vocabulary): new engines
 
 
 def test_engines_serve_a_run_without_a_learner_only_with_its_model(monkeypatch, tmp_path):
@@ -128,7 +134,9 @@ def test_engines_serve_a_run_without_a_learner_only_with_its_model(monkeypatch, 
 
         fleet.rollouts = Engines()
         fleet.engine_weights = _engine_weights(train, first)
-        return fleet._keep(train, evaluate, then, None)
+        kept, rebuild = fleet._keep(train, evaluate, then, None)
+        assert not rebuild  # the same engine settings
+        return kept
 
     safetensors, torch_bin = tmp_path / "st", tmp_path / "bin"
     header = b'{"model.layers.0.self_attn.q_proj.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'
@@ -147,10 +155,10 @@ def test_engines_serve_a_run_without_a_learner_only_with_its_model(monkeypatch, 
 def test_cpu_engines_get_the_cores_when_they_generate_alone():
     """rollout.cpu_threads unset: a sync run's engines share the launching machine's cores; engines that generate
     beside the learner (one_step_off) or on GPUs get 1; a set value wins. The thread count is part of what an
-    engine was built with (a run with another one gets new engines)."""
+    engine was built with (a run with another one gets new engines, in the same actors)."""
     import os
 
-    from orchestrator.rl.fleet import fit_keys
+    from orchestrator.rl.fleet import engine_key
     from orchestrator.rl.specs import engine_threads
 
     cores = os.cpu_count()
@@ -160,5 +168,4 @@ def test_cpu_engines_get_the_cores_when_they_generate_alone():
     assert engine_threads(load_config(None, ["rollout.num_workers=1", "rollout.num_gpus=1"])) == 1
     assert engine_threads(load_config(None, ["rollout.num_workers=1", "rollout.cpu_threads=3"])) == 3
     one = load_config(None, ["rollout.num_workers=1"])
-    assert fit_keys(one)["rollout"] != fit_keys(load_config(None, ["rollout.num_workers=1",
-                                                                   "rollout.cpu_threads=7"]))["rollout"]
+    assert engine_key(one) != engine_key(load_config(None, ["rollout.num_workers=1", "rollout.cpu_threads=7"]))

@@ -65,6 +65,10 @@ class RolloutWorker(LoggedActor):
         skip_unused_imports()
         for key, value in CPU_ENV.items():
             os.environ.setdefault(key, value)
+        self._build(spec)
+
+    def _build(self, spec: EngineSpec) -> None:
+        """The engine of ``spec`` and everything that serves it, as a new actor has them."""
         from vllm import LLM
 
         lora, max_model_len = spec.lora, spec.max_model_len
@@ -107,6 +111,29 @@ class RolloutWorker(LoggedActor):
         self.episodes = None  # EpisodeFactory of the env config last used (run_episodes)
         self.service = None  # the generation stream (stream_start), None while generating call by call
         self.streamed: dict[str, tuple] = {}  # a streamed request's uid -> (prompt uid, index, text, metadata)
+
+    def rebuild(self, spec: EngineSpec, threads: int) -> float:
+        """Replace this actor's engine by one of ``spec`` on ``threads`` torch threads, in this process (CPU
+        engines; see :meth:`orchestrator.rl.fleet.Fleet.serve`): what a new actor would serve, without a new
+        process's start and imports (about 20 s of an engine's start on 2 cores, against 2-4 s here). The old
+        engine is shut down and its distributed state torn down first, as vLLM's own tests do between engines in
+        one process. Its seconds."""
+        import gc
+
+        import torch
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        t0 = time.perf_counter()
+        self.stream_stop()
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = self.adapter = self.episodes = None
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        # vLLM's CPU worker replaces torch.set_num_threads by a no-op (it binds threads once); with
+        # VLLM_CPU_OMP_THREADS_BIND=nobind nothing is bound, and torch's own setter sets the OpenMP pool
+        torch._C.set_num_threads(threads)
+        self._build(spec)
+        return time.perf_counter() - t0
 
     def _warm_up(self) -> None:
         """One 2-token request with logprobs: vLLM compiles its logprob gather on first use (about 2 s on 2 cores),

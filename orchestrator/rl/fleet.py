@@ -6,10 +6,12 @@ a PRM) declares no engine, so it starts no vLLM engine, no reward actor and no w
 
 A fleet can serve several runs in turn (:meth:`Fleet.serve`: pipeline stages, tests): a group whose actors fit the
 next run keeps them. The learner ranks build the run's model, loss and optimizer in place (same ranks and
-resources); engines of the same model shape and engine settings get the run's starting weights from the learner;
-reward, env, PRM/ORM and judge actors with the same settings are kept as they are. What does not fit is stopped and
-started again, a role the run does not use is stopped, and every kept actor writes its output under the new run's
-``logs/``.
+resources); engines of the same model shape and engine settings get the run's starting weights from the learner,
+and CPU rollout actors of the same placement whose engines do not fit (other threads, context length, KV cache,
+prompt settings, model) build new engines in their own processes (:func:`engine_key`; 2-4 s against ~20 s for a
+new actor's start and imports); reward, env, PRM/ORM and judge actors with the same settings are kept as they are.
+What does not fit is stopped and started again, a role the run does not use is stopped, and every kept actor
+writes its output under the new run's ``logs/``.
 
 This is the only module that creates actor groups (``git grep "Pool(\\|LearnerGroup("``).
 """
@@ -127,9 +129,14 @@ class Fleet:
         if self.runs == 1 and cfg == self.cfg and roles == self.roles:
             return self
         old, self.cfg, self.roles = self.cfg, cfg, roles
-        kept = self._keep(old, cfg, roles, judge)
+        kept, rebuild = self._keep(old, cfg, roles, judge)
         self._log_to(cfg, kept)
         loading = [ref for role in ("learner", "critic") if role in kept for ref in getattr(self, role).load(cfg)]
+        if rebuild:
+            from orchestrator.rl.launch import max_model_len
+
+            loading += self.rollouts.rebuild(cfg, max_model_len(cfg))
+            self.engine_weights = cfg.model.path
         new = [r for r in roles.names() if r not in kept and r != "controller"]
         fresh = Fleet(cfg, Roles(**dict.fromkeys(new, True)), judge)
         for role in new:
@@ -154,17 +161,20 @@ class Fleet:
             if "rollout" in kept:  # the engines hold the last run's weights: the run starts from its own
                 self.weight_sync.push(0)
         self.startup_s, self.kept = time.perf_counter() - t0, sorted(kept)
-        log.info("fleet served a new run in %.1fs: kept %s; %s", self.startup_s, self.kept or "nothing",
-                 self.describe())
+        log.info("fleet served a new run in %.1fs: kept %s%s; %s", self.startup_s, self.kept or "nothing",
+                 " (the rollout actors with new engines)" if rebuild else "", self.describe())
         return self
 
-    def _keep(self, old: FleetConfig, cfg: FleetConfig, roles: Roles, judge) -> set[str]:
-        """The roles whose actors fit the new run (see :func:`fit_keys`); every other group is stopped."""
+    def _keep(self, old: FleetConfig, cfg: FleetConfig, roles: Roles, judge) -> tuple[set[str], bool]:
+        """The roles whose actors fit the new run (see :func:`fit_keys`; every other group is stopped), and
+        whether the kept rollout actors need new engines (:func:`engine_key`)."""
         before, after = fit_keys(old), fit_keys(cfg)
         kept = {r for r in roles.names() if r != "controller" and getattr(self, _ATTR[r]) is not None
                 and before[r] == after[r]}
         kept -= self._dead(kept)  # an actor the last run lost (killed, out of memory) takes its group with it
-        if "rollout" in kept and not (roles.learner or self.engine_weights == cfg.model.path or reloadable(cfg)):
+        rebuild = "rollout" in kept and engine_key(old) != engine_key(cfg)
+        if "rollout" in kept and not (rebuild or roles.learner or self.engine_weights == cfg.model.path
+                                      or reloadable(cfg)):
             kept.discard("rollout")  # no learner to push the run's model, and it cannot be loaded from disk
         if judge is not None or (self.rewards is not None and self.rewards.judge is not None):
             kept.discard("reward")  # the judge reward holds engines of the run that made it
@@ -175,7 +185,7 @@ class Fleet:
             group.cfg = GROUP_CONFIG.get(role, lambda c: c)(cfg)  # what a replacement actor is built from
             if hasattr(group, "restarts"):
                 group.restarts, group.recovery_s = 0, 0.0  # the budget is per run
-        return kept
+        return kept, rebuild
 
     def _dead(self, roles: set[str], timeout_s: float = 60.0) -> set[str]:
         """Those of ``roles`` with an actor that does not answer (dead, or busy past ``timeout_s``)."""
@@ -382,22 +392,23 @@ _ATTR = {"learner": "learner", "critic": "critic", "env": "envs", "rollout": "ro
 
 def fit_keys(cfg: FleetConfig) -> dict[str, object]:
     """Per role, what its actors were built from, apart from the weights a run loads or pushes: another run whose
-    key is the same can use them (:meth:`Fleet.serve`)."""
-    from dataclasses import replace
-
+    key is the same can use them (:meth:`Fleet.serve`). CPU rollout actors fit any run with the same placement
+    (:func:`engine_pool_key`): other engine settings or another model get new engines in the same processes
+    (:func:`engine_key`); GPU engines are never rebuilt in place (freeing a GPU engine's memory in-process is not
+    reliable), so their engine settings are part of their key."""
     from orchestrator.rl.launch import max_model_len
     from orchestrator.rl.specs import engine_spec, placement_key
 
     c = cfg.model_dump(mode="json")
     r = c["rollout"]
     pool = engine_pool_key(cfg)
-    engine = (pool, replace(engine_spec(cfg, max_model_len(cfg)), model_path=""), model_shape(cfg.model.path))
     teacher = teacher_config(cfg) if cfg.algorithm.uses_teacher else None
     # ZeRO-3 ranks never serve another run: its module hooks keep the engine alive after destroy() (DeepSpeed
     # 0.19.8), so every run would add a model and its optimizer state (a fresh object equals no other key)
     ranks = object() if cfg.learner.zero_stage == 3 else placement_key(cfg)
+    rollout = (pool, engine_key(cfg)) if cfg.rollout.num_gpus else pool | {"threads": None}
     return {
-        "learner": ranks, "critic": ranks, "rollout": engine,
+        "learner": ranks, "critic": ranks, "rollout": rollout,
         "reward": (c["reward"], c["cai"]), "env": (c["env"], r["max_restarts"], c["data"]["system_prompt"]),
         "prm": (c["prm"], c["reward"]["max_restarts"], c["trainer"]["torch_threads"]),
         "orm": (c["prm"], c["reward"]["max_restarts"], c["trainer"]["torch_threads"]),
@@ -405,6 +416,19 @@ def fit_keys(cfg: FleetConfig) -> dict[str, object]:
         # the teacher's engines: its directory, never pushed to, so another teacher needs new ones
         "teacher": teacher and (engine_pool_key(teacher), engine_spec(teacher, max_model_len(teacher))),
     }
+
+
+def engine_key(cfg: FleetConfig) -> tuple:
+    """What the engines inside the rollout actors were built from, apart from the weights (the learner pushes a
+    run's own): threads, engine settings, model shape. Kept CPU rollout actors whose key differs rebuild their
+    engines in place (:meth:`~orchestrator.rl.pools.RolloutPool.rebuild`)."""
+    from dataclasses import replace
+
+    from orchestrator.rl.launch import max_model_len
+    from orchestrator.rl.specs import engine_spec, engine_threads
+
+    spec = replace(engine_spec(cfg, max_model_len(cfg)), model_path="")
+    return engine_threads(cfg), spec, model_shape(cfg.model.path)
 
 
 def engine_pool_key(cfg: FleetConfig) -> dict:

@@ -175,6 +175,15 @@ class RolloutPool(ActorPool):
     def _after_removal(self) -> None:
         self.membership += 1  # a collective weight group without the removed engine is formed before the next push
 
+    def rebuild(self, cfg: FleetConfig, max_model_len: int) -> list:
+        """Every engine replaced in place by one built for a run of ``cfg`` (:meth:`RolloutWorker.rebuild`: same
+        actors, new engines, ``model.path``'s weights read from disk): ObjectRefs that resolve once they are built."""
+        self.cfg, self.max_model_len = cfg, max_model_len
+        self.buckets, self.version = [], 0
+        self.membership += 1  # new engines: a collective weight group is formed again
+        threads = engine_threads(cfg)
+        return [w.rebuild.remote(engine_spec(cfg, max_model_len, i), threads) for i, w in enumerate(self.workers)]
+
     def load_model(self, path: str) -> None:
         """Every engine reloads the weights of the model directory ``path`` from disk, in place (a run without a
         learner on engines a training run pushed into); a replacement engine then starts from ``path`` too."""
