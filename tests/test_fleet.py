@@ -98,13 +98,16 @@ def test_a_fleet_keeps_for_the_next_run_only_the_actors_that_fit_it():
     assert "rollout" in changed("rollout.num_workers=1")  # another placement: new actors
     gpu = fit_keys(load_config(None, ["rollout.num_gpus=1"]))["rollout"]
     assert gpu != fit_keys(load_config(None, ["rollout.num_gpus=1", "rollout.kv_cache_gib=0.5"]))["rollout"]
-    distill = fit_keys(load_config(None, ["algorithm.name=on_policy_distill", "distill.teacher=runs/t/final"]))
-    for other in (["distill.teacher=runs/u/final"], ["distill.teacher_workers=2"], ["rollout.kv_cache_gib=0.5"]):
-        keys = fit_keys(load_config(None, ["algorithm.name=on_policy_distill", "distill.teacher=runs/t/final", *other]))
-        assert keys["teacher"] != distill["teacher"]  # another teacher, or other engines: new teacher engines
-    keys = fit_keys(load_config(None, ["algorithm.name=on_policy_distill", "distill.teacher=runs/t/final",
-                                       "learner.lr=0.1", "rollout.num_workers=1"]))
-    assert keys["teacher"] == distill["teacher"]
+    def distill(*other: str):
+        return load_config(None, ["algorithm.name=on_policy_distill", "distill.teacher=runs/t/final", *other])
+
+    assert fit_keys(distill("distill.teacher_workers=2"))["teacher"] != fit_keys(distill())["teacher"]
+    for other in (["distill.teacher=runs/u/final"], ["rollout.kv_cache_gib=0.5"]):  # the same actors, new engines
+        assert fit_keys(distill(*other))["teacher"] == fit_keys(distill())["teacher"]
+        assert engine_key(distill(*other), "teacher") != engine_key(distill(), "teacher")
+    same = distill("learner.lr=0.1", "rollout.num_workers=1")
+    assert fit_keys(same)["teacher"] == fit_keys(distill())["teacher"]
+    assert engine_key(same, "teacher") == engine_key(distill(), "teacher")
     assert changed("learner.num_ranks=1") == {"learner", "critic"}
     zero3 = fit_keys(load_config(None, ["learner.zero_stage=3"]))
     assert zero3["learner"] != fit_keys(load_config(None, ["learner.zero_stage=3"]))["learner"]  # never reused

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class Partial:
@@ -141,6 +143,10 @@ class StreamService:
         self.closed = False
         self._idle_s = 0.0  # seconds the engine waited with nothing to generate, up to _idle_since
         self._idle_since: float | None = None  # when the current wait began (None: generating)
+        # the engine's torch threads as set on the thread that built it: OpenMP's count is per thread, and a new
+        # thread starts from OMP_NUM_THREADS, which an engine rebuilt with other threads no longer matches (vLLM's
+        # CPU attention checks its metadata's count against the running thread's: RolloutWorker.rebuild)
+        self.threads = torch.get_num_threads()
         self.thread = threading.Thread(target=self._run, name="fleetrl-stream", daemon=True)
         self.thread.start()
 
@@ -188,6 +194,7 @@ class StreamService:
     def _run(self) -> None:
         import queue
 
+        torch._C.set_num_threads(self.threads)  # torch's own setter: vLLM's CPU worker replaces set_num_threads
         try:
             while not self.closed:
                 idle = not self.stream.in_flight

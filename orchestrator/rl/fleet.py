@@ -132,11 +132,7 @@ class Fleet:
         kept, rebuild = self._keep(old, cfg, roles, judge)
         self._log_to(cfg, kept)
         loading = [ref for role in ("learner", "critic") if role in kept for ref in getattr(self, role).load(cfg)]
-        if rebuild:
-            from orchestrator.rl.launch import max_model_len
-
-            loading += self.rollouts.rebuild(cfg, max_model_len(cfg))
-            self.engine_weights = cfg.model.path
+        loading += self._new_engines(cfg, rebuild)
         new = [r for r in roles.names() if r not in kept and r != "controller"]
         fresh = Fleet(cfg, Roles(**dict.fromkeys(new, True)), judge)
         for role in new:
@@ -162,18 +158,18 @@ class Fleet:
                 self.weight_sync.push(0)
         self.startup_s, self.kept = time.perf_counter() - t0, sorted(kept)
         log.info("fleet served a new run in %.1fs: kept %s%s; %s", self.startup_s, self.kept or "nothing",
-                 " (the rollout actors with new engines)" if rebuild else "", self.describe())
+                 f" (new engines in the {' and '.join(sorted(rebuild))} actors)" if rebuild else "", self.describe())
         return self
 
-    def _keep(self, old: FleetConfig, cfg: FleetConfig, roles: Roles, judge) -> tuple[set[str], bool]:
-        """The roles whose actors fit the new run (see :func:`fit_keys`; every other group is stopped), and
-        whether the kept rollout actors need new engines (:func:`engine_key`)."""
+    def _keep(self, old: FleetConfig, cfg: FleetConfig, roles: Roles, judge) -> tuple[set[str], set[str]]:
+        """The roles whose actors fit the new run (see :func:`fit_keys`; every other group is stopped), and the
+        kept engine roles whose actors need new engines (:func:`engine_key`)."""
         before, after = fit_keys(old), fit_keys(cfg)
         kept = {r for r in roles.names() if r != "controller" and getattr(self, _ATTR[r]) is not None
                 and before[r] == after[r]}
         kept -= self._dead(kept)  # an actor the last run lost (killed, out of memory) takes its group with it
-        rebuild = "rollout" in kept and engine_key(old) != engine_key(cfg)
-        if "rollout" in kept and not (rebuild or roles.learner or self.engine_weights == cfg.model.path
+        rebuild = {r for r in kept & set(PUSHED) if engine_key(old, r) != engine_key(cfg, r)}
+        if "rollout" in kept and not ("rollout" in rebuild or roles.learner or self.engine_weights == cfg.model.path
                                       or reloadable(cfg)):
             kept.discard("rollout")  # no learner to push the run's model, and it cannot be loaded from disk
         if judge is not None or (self.rewards is not None and self.rewards.judge is not None):
@@ -186,6 +182,18 @@ class Fleet:
             if hasattr(group, "restarts"):
                 group.restarts, group.recovery_s = 0, 0.0  # the budget is per run
         return kept, rebuild
+
+    def _new_engines(self, cfg: FleetConfig, roles: set[str]) -> list:
+        """The engine ``roles`` build new engines for a run of ``cfg`` in their actors: refs of the builds."""
+        from orchestrator.rl.launch import max_model_len
+
+        refs = []
+        for role in roles:
+            built_from = GROUP_CONFIG.get(role, lambda c: c)(cfg)
+            refs += getattr(self, _ATTR[role]).rebuild(built_from, max_model_len(built_from))
+        if "rollout" in roles:
+            self.engine_weights = cfg.model.path  # read from disk: no load_model needed
+        return refs
 
     def _dead(self, roles: set[str], timeout_s: float = 60.0) -> set[str]:
         """Those of ``roles`` with an actor that does not answer (dead, or busy past ``timeout_s``)."""
@@ -392,43 +400,53 @@ _ATTR = {"learner": "learner", "critic": "critic", "env": "envs", "rollout": "ro
 
 def fit_keys(cfg: FleetConfig) -> dict[str, object]:
     """Per role, what its actors were built from, apart from the weights a run loads or pushes: another run whose
-    key is the same can use them (:meth:`Fleet.serve`). CPU rollout actors fit any run with the same placement
-    (:func:`engine_pool_key`): other engine settings or another model get new engines in the same processes
-    (:func:`engine_key`); GPU engines are never rebuilt in place (freeing a GPU engine's memory in-process is not
-    reliable), so their engine settings are part of their key."""
-    from orchestrator.rl.launch import max_model_len
-    from orchestrator.rl.specs import engine_spec, placement_key
+    key is the same can use them (:meth:`Fleet.serve`). CPU engine actors (rollout, teacher) fit any run with the
+    same placement (:func:`engine_pool_key`): other engine settings or another model get new engines in the same
+    processes (:func:`engine_key`); GPU engines are never rebuilt in place (freeing a GPU engine's memory
+    in-process is not reliable), so their engine settings are part of their key."""
+    from orchestrator.rl.specs import placement_key
 
     c = cfg.model_dump(mode="json")
     r = c["rollout"]
     pool = engine_pool_key(cfg)
-    teacher = teacher_config(cfg) if cfg.algorithm.uses_teacher else None
     # ZeRO-3 ranks never serve another run: its module hooks keep the engine alive after destroy() (DeepSpeed
     # 0.19.8), so every run would add a model and its optimizer state (a fresh object equals no other key)
     ranks = object() if cfg.learner.zero_stage == 3 else placement_key(cfg)
-    rollout = (pool, engine_key(cfg)) if cfg.rollout.num_gpus else pool | {"threads": None}
+
+    def engines(role: str):
+        built_from = GROUP_CONFIG.get(role, lambda c: c)(cfg)
+        placed = engine_pool_key(built_from)
+        return (placed, engine_key(cfg, role)) if cfg.rollout.num_gpus else placed | {"threads": None}
+
     return {
-        "learner": ranks, "critic": ranks, "rollout": rollout,
+        "learner": ranks, "critic": ranks, "rollout": engines("rollout"),
+        "teacher": engines("teacher") if cfg.algorithm.uses_teacher else None,
         "reward": (c["reward"], c["cai"]), "env": (c["env"], r["max_restarts"], c["data"]["system_prompt"]),
         "prm": (c["prm"], c["reward"]["max_restarts"], c["trainer"]["torch_threads"]),
         "orm": (c["prm"], c["reward"]["max_restarts"], c["trainer"]["torch_threads"]),
         "feedback": (c["cai"], pool, c["data"]["max_prompt_tokens"], r["max_new_tokens"]),
-        # the teacher's engines: its directory, never pushed to, so another teacher needs new ones
-        "teacher": teacher and (engine_pool_key(teacher), engine_spec(teacher, max_model_len(teacher))),
     }
 
 
-def engine_key(cfg: FleetConfig) -> tuple:
-    """What the engines inside the rollout actors were built from, apart from the weights (the learner pushes a
-    run's own): threads, engine settings, model shape. Kept CPU rollout actors whose key differs rebuild their
-    engines in place (:meth:`~orchestrator.rl.pools.RolloutPool.rebuild`)."""
+PUSHED = {"rollout": True, "teacher": False}
+"""The engine roles that can get new engines in their actors (:meth:`Fleet.serve`), and whether the learner pushes
+their weights (the policy's engines) or they serve their model directory as it is (the teacher's)."""
+
+
+def engine_key(cfg: FleetConfig, role: str = "rollout") -> tuple:
+    """What the engines inside ``role``'s actors (see :data:`PUSHED`) were built from for a run of ``cfg``: threads,
+    engine settings, and the model's shape (pushed weights) or its directory (a teacher). Kept CPU engine actors
+    whose key differs build new engines in place (:meth:`~orchestrator.rl.pools.RolloutPool.rebuild`)."""
     from dataclasses import replace
 
     from orchestrator.rl.launch import max_model_len
     from orchestrator.rl.specs import engine_spec, engine_threads
 
-    spec = replace(engine_spec(cfg, max_model_len(cfg)), model_path="")
-    return engine_threads(cfg), spec, model_shape(cfg.model.path)
+    built_from = GROUP_CONFIG.get(role, lambda c: c)(cfg)
+    spec = engine_spec(built_from, max_model_len(built_from))
+    if PUSHED[role]:
+        return engine_threads(built_from), replace(spec, model_path=""), model_shape(built_from.model.path)
+    return engine_threads(built_from), spec
 
 
 def engine_pool_key(cfg: FleetConfig) -> dict:
