@@ -261,13 +261,15 @@ class AsyncRollout:
         """Every engine back to call-by-call generation; its unfinished samples are dropped with the run."""
         import ray
 
+        from orchestrator.ops.console import error_summary
+
         for i, w in enumerate(self.run.fleet.rollouts.workers):  # every engine (a no-op on one not streaming)
             try:
                 ray.get(w.stream_stop.remote())
             except ray.exceptions.RayActorError:  # a dead engine streams nothing
                 pass
             except ray.exceptions.RayError as e:  # its stream had failed: the run is over, say so and go on
-                log.warning("stopping the stream of rollout engine %d: %s", i, str(e).strip().splitlines()[-1][:300])
+                log.warning("stopping the stream of rollout engine %d: %s", i, error_summary(e))
         self.streaming.clear()
 
     # ---- the parts --------------------------------------------------------------------------------------------

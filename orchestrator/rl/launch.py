@@ -52,10 +52,10 @@ def make_task(cfg: FleetConfig):
     return task
 
 
-def load_tokenizer(path: str, key: str = "model.path"):
+def load_tokenizer(path: str):
     """The model directory's tokenizer; the embedded model's before it is built (its tokenizer is fixed by its
     kind), so inputs are measured in its tokens before the 1.5-min build. A path that is no directory is a
-    ConfigError naming ``key`` (not the hub's "Repo id must be in the form..." from transformers)."""
+    ConfigError naming ``model.path`` (not the hub's "Repo id must be in the form..." from transformers)."""
     from common.imports import import_transformers
 
     if path in EMBEDDED_MODELS and not (Path(path) / "tokenizer.json").exists():
@@ -63,7 +63,7 @@ def load_tokenizer(path: str, key: str = "model.path"):
 
         return saved_tokenizer_of(EMBEDDED_MODELS[path])
     if not Path(path).is_dir():
-        raise ConfigError(f"{key}: {path!r} is not a model directory (fleetrl reads local models only; "
+        raise ConfigError(f"model.path: {path!r} is not a model directory (fleetrl reads local models only; "
                           f"`make smollm2` or `fleetrl init-model --from FILE.gguf` converts one)")
 
     import_transformers()  # without its scikit-learn hook: 2.5 s less of every run's start-up
