@@ -47,9 +47,12 @@ def _save_now_and_then(cov) -> None:
 def _start() -> None:
     import coverage
 
-    cov = coverage.process_startup()
-    if cov is None:  # already running in this process
+    # coverage.py >= 7.10 installs its own `a1_coverage.pth`, which sorts before this hook's and has started
+    # measuring already: process_startup() then returns None, and the running instance is the one to extend
+    cov = coverage.process_startup() or coverage.Coverage.current()
+    if cov is None or getattr(cov, "_fleetrl_hooked", False):
         return
+    cov._fleetrl_hooked = True
     # one save at a time: coverage's own exit handlers (atexit, SIGTERM, os._exit) call cov.save() too, and two
     # concurrent writes of one data file can fail or lose the last data
     lock, save = threading.Lock(), cov.save
