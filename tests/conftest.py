@@ -181,12 +181,20 @@ def fleetrl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The unit tier first, then the end-to-end tests (each group in collection order): a unit failure shows in
-    minutes. (Building the end-to-end tests' models in the background meanwhile was measured and dropped: the
-    builds' torch threads and the unit tests' share 2 cores, and both took as long together as one after the
-    other.)"""
-    e2e = [i for i in items if i.get_closest_marker("e2e")]
+    """The unit tier first, then the end-to-end tests: a unit failure shows in minutes. The end-to-end tests run
+    by the learner group their runs use (:func:`learner_shape`; otherwise in collection order), so the session's
+    fleet keeps its learner ranks from one run to the next instead of starting a group for every change of rank
+    count or ZeRO-3 (20-30 s each). (Building the end-to-end tests' models in the background meanwhile was measured
+    and dropped: the builds' torch threads and the unit tests' share 2 cores, and both took as long together as
+    one after the other.)"""
+    e2e = sorted((i for i in items if i.get_closest_marker("e2e")), key=learner_shape)
     items[:] = [i for i in items if not i.get_closest_marker("e2e")] + e2e
+
+
+def learner_shape(item) -> tuple[int, int]:
+    """The ``learner(ranks, zero_stage)`` mark of an end-to-end test (1 rank, ZeRO-0 without one)."""
+    mark = item.get_closest_marker("learner")
+    return (mark.kwargs["ranks"], mark.kwargs["zero_stage"]) if mark else (1, 0)
 
 
 @pytest.fixture(scope="session")

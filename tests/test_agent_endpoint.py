@@ -330,12 +330,9 @@ def test_a_bad_agent_is_refused_at_load(spec, problem):
 
 def test_an_agent_on_a_model_without_a_chat_template_is_refused_before_anything_starts(tmp_path):
     """The embedded model has no chat template: `fleetrl train env.agent=...` exits 2 naming the key, before Ray."""
-    import subprocess
-    import sys
+    from tests.conftest import cli
 
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", "train", "reward.functions=[]",
-                           "env.agent=examples.math_agent:solve", f"run.dir={tmp_path / 'run'}"],
-                          capture_output=True, text=True, timeout=300)
+    proc = cli("train", "reward.functions=[]", "env.agent=examples.math_agent:solve", f"run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2 and "env.agent=examples.math_agent:solve" in proc.stderr, proc.stderr[-2000:]
     assert "no chat template" in proc.stderr and not (tmp_path / "run").exists()
 

@@ -126,14 +126,14 @@ def _first_to_die_at(marker: Path) -> bool:
 @pytest.mark.e2e
 def test_an_openai_client_agent_trains_on_exactly_the_tokens_its_calls_sampled(tmp_path, smollm2):
     """Only this guards agent code as the environment (env.agent) on the real stack: an agent written against the
-    `openai` client (two calls per session) runs 32 concurrent sessions over 2 SmolLM2 engines per step through
+    `openai` client (two calls per session) runs 16 concurrent sessions over 2 SmolLM2 engines per step through
     their endpoints. The learner's logprob of every sampled token, in the context the sessions built (the sampled
     ids, then only the new message's ids), equals the engine's; the appended message carries no loss; an engine
     dies mid-session and is replaced, its sessions run again, and the step is full."""
     AGENT_DIES_ONCE.unlink(missing_ok=True)
     run_dir = tmp_path / "run"
     rows = run_fleetrl(run_dir, "-c", str(ROOT / "configs/smollm2_agent.yaml"), f"model.path={smollm2}",
-                       "env.agent=tests.test_agents:dying_solve", "data.prompts_per_step=8", "rollout.group_size=4",
+                       "env.agent=tests.test_agents:dying_solve", "data.prompts_per_step=4", "rollout.group_size=4",
                        "rollout.max_new_tokens=32", "env.max_total_tokens=512", "learner.num_ranks=1",
                        "learner.zero_stage=0", "trainer.torch_threads=2", "trainer.total_steps=1",
                        "trainer.eval_every=0", "trainer.time_budget_s=null", "run.dump_rollouts=true", timeout=900)
@@ -146,7 +146,7 @@ def test_an_openai_client_agent_trains_on_exactly_the_tokens_its_calls_sampled(t
         assert row["agent/calls_mean"] >= 1 and row["agent/forks"] == 0, {k: v for k, v in row.items()
                                                                           if k.startswith(("agent/", "env/"))}
         dumped = _dumped(run_dir, step)
-        assert len(dumped) == 32
+        assert len(dumped) == 16
         for r in dumped:
             ids, mask, ep = r["completion_ids"], r["loss_mask"], r["episode"]
             assert len(mask) == len(ids) and ep["counters"]["agent/calls"] == ep["turns"] == 2
@@ -172,14 +172,14 @@ def test_an_agent_outside_the_fleet_trains_through_the_control_endpoints(tmp_pat
     outside = threading.Thread(target=lambda: stats.update(asyncio.run(main_async(run_dir, 16, 300.0))), daemon=True)
     outside.start()
     rows = run_fleetrl(run_dir, "-c", str(ROOT / "configs/smollm2_agent.yaml"), f"model.path={smollm2}",
-                       "env.agent=external", "env.episode_timeout_s=240", "data.prompts_per_step=8",
+                       "env.agent=external", "env.episode_timeout_s=240", "data.prompts_per_step=4",
                        "rollout.group_size=4", "rollout.max_new_tokens=32", "env.max_total_tokens=512",
                        "learner.num_ranks=1", "learner.zero_stage=0", "trainer.torch_threads=2",
                        "trainer.total_steps=1", "trainer.eval_every=0", "trainer.time_budget_s=null",
                        "run.dump_rollouts=true", timeout=900)
     outside.join(120)
     train = [r for r in rows if "reward/mean" in r]
-    assert len(train) == 1 and stats["runs"] == 32, stats
+    assert len(train) == 1 and stats["runs"] == 16, stats
     row = train[0]
     assert (row["agent/unclaimed"], row["agent/timeouts"], row["agent/errors"]) == (0, 0, 0), row
     assert row["rollout/logprob_gap_max"] < 1e-3 and row["agent/calls_mean"] >= 1
@@ -187,4 +187,4 @@ def test_an_agent_outside_the_fleet_trains_through_the_control_endpoints(tmp_pat
     assert sorted(e["worker"] for e in endpoints) == ["rollout-0", "rollout-1"]
     assert all(e["url"].startswith("http://127.0.0.1:") and e["token"] for e in endpoints)
     dumped = _dumped(run_dir, 0)
-    assert len(dumped) == 32 and all(r["episode"]["counters"]["agent/calls"] >= 1 for r in dumped)
+    assert len(dumped) == 16 and all(r["episode"]["counters"]["agent/calls"] >= 1 for r in dumped)

@@ -185,50 +185,82 @@ DRIVER = textwrap.dedent("""
     from pathlib import Path
     import ray
     from orchestrator.config import load_config
+    from orchestrator.ops.jobs import scale
     from orchestrator.rl.driver import run_training
     from orchestrator.rl.fleet import Fleet, Roles
 
-    run_dir, model = Path(sys.argv[1]), sys.argv[2]
-    args = [f"run.dir={run_dir}", f"model.path={model}", "rollout.mode=async", "rollout.max_staleness=2",
+    bounds_dir, scaled_dir, model = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    args = [f"run.dir={bounds_dir}", f"model.path={model}", "rollout.mode=async", "rollout.max_staleness=2",
             "rollout.num_workers=2", "learner.num_ranks=1", "learner.zero_stage=0", "learner.lr=1e-4",
             "run.dump_rollouts=true", "trainer.eval_every=3", "trainer.save_every=3", "rollout.max_new_tokens=24"]
     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)  # the session's head (tests/conftest.py)
+    resized = {}
 
     def killer():
-        metrics = run_dir / "metrics.jsonl"
+        metrics = bounds_dir / "metrics.jsonl"
         while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
             time.sleep(0.02)
         ray.kill(ray.get_actor("rollout-1"), no_restart=True)  # mid-stream: its groups are generating
 
+    def scaler():  # `fleetrl scale --run NAME --rollout 1`'s code, once the first step is in
+        metrics = scaled_dir / "metrics.jsonl"
+        while not metrics.exists() or not metrics.read_text().strip():
+            time.sleep(0.02)
+        try:
+            resized.update(scale(rollout=1, reward=None, run=scaled_dir.name, address=None, wait_s=300))
+        except Exception as e:
+            resized["error"] = repr(e)
+
+    # its own actors (killed and scaled engines are not for the shared fleet); the three runs share them, as
+    # tests/fleet_server.py's runs do
+    fleet = Fleet(load_config(None, []), Roles())
     threading.Thread(target=killer, daemon=True).start()
-    fleet = Fleet(load_config(None, []), Roles())  # the resumed run keeps the actors (as tests/fleet_server.py)
     run_training(load_config(None, args + ["trainer.total_steps=5"]), fleet=fleet)
-    ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
+    ckpts = sorted((bounds_dir / "checkpoints").glob("step_*"))
     state = json.loads((ckpts[-1] / "loop_state.json").read_text())
-    first = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first = [json.loads(x) for x in (bounds_dir / "metrics.jsonl").read_text().splitlines()]
     run_training(load_config(None, args + ["trainer.total_steps=7"]), resume="auto", fleet=fleet)
-    fleet.stop()
     print("RESULT", json.dumps({"checkpoint": ckpts[-1].name, "state": state, "first": first}), flush=True)
+    thread = threading.Thread(target=scaler, daemon=True)
+    thread.start()
+    run_training(load_config(None, [f"run.dir={scaled_dir}", f"model.path={model}", *json.loads(sys.argv[4])]),
+                 fleet=fleet)
+    fleet.stop()
+    thread.join(60)  # scale() polls the run's status until it shows the new size
+    print("RESULT", json.dumps(resized), flush=True)
 """)
+# the scaled run's overrides (test_async_waits_trains_lora_...)
+SCALED = ["rollout.mode=async", "rollout.max_staleness=1", "rollout.stale_policy=wait",
+          "rollout.weight_sync=collective", "learner.lora.rank=8", "learner.lr=3e-3", "rollout.num_workers=2",
+          "learner.num_ranks=1", "learner.zero_stage=0", "trainer.total_steps=4", "trainer.eval_every=0",
+          "run.dump_rollouts=true", "rollout.max_new_tokens=24"]
+
+
+@pytest.fixture(scope="module")
+def async_runs(tmp_path_factory, embedded_model) -> dict:
+    """The two async drivers' runs on one fleet of their own (DRIVER): the η = 2 run with a killed engine and its
+    resume, then the scaled LoRA run (its engines rebuilt in the same actors). Their run dirs and results."""
+    out = tmp_path_factory.mktemp("async")
+    model = _perturbed_copy(embedded_model, out / "model")
+    env = subprocess_env(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", **shared_ray_env())
+    r = subprocess.run([sys.executable, "-c", DRIVER, str(out / "bounds"), str(out / "scaled"), str(model),
+                        json.dumps(SCALED)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    results = [json.loads(x[len("RESULT "):]) for x in lines]
+    return {"bounds": out / "bounds", "scaled": out / "scaled", "results": results,
+            "failure": None if r.returncode == 0 and len(lines) == 2 else (r.stdout + r.stderr)[-6000:]}
 
 
 @pytest.mark.e2e
-def test_async_bounds_staleness_loses_nothing_survives_a_killed_engine_and_resumes_its_stream(tmp_path,
-                                                                                           embedded_model):
+def test_async_bounds_staleness_loses_nothing_survives_a_killed_engine_and_resumes_its_stream(async_runs):
     """η = 2 on the real stack (two engines, pushes landing mid-generation, an eval mid-stream): every trained
     token is at most 2 versions older than the learner (per-token versions in the dumps), some samples span a
     push, every batch is 16 whole groups and no prompt is trained twice; an engine killed mid-stream is replaced
     and its groups requeued; the run resumes from its step-3 checkpoint: the prompts it had in flight are
     re-issued and the stream goes on from where it was (no position handed out twice). The policy is the
     embedded model with noise added: its completions run long (16 of 24 tokens), so pushes meet them."""
-    model = _perturbed_copy(embedded_model, tmp_path / "model")
-    env = subprocess_env(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", **shared_ray_env())
-    run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-c", DRIVER, str(run), str(model)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=900)
-    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-    assert r.returncode == 0 and lines, (r.stdout + r.stderr)[-6000:]
-    result = json.loads(lines[0][len("RESULT "):])
+    assert async_runs["results"], async_runs["failure"]
+    result, run = async_runs["results"][0], async_runs["bounds"]
     first = [x for x in result["first"] if "reward/mean" in x]  # the run before the resume, steps 0-4
     train = [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
              if "reward/mean" in x]  # steps 0-2 of the first run, 3-6 of the resumed one
@@ -255,58 +287,15 @@ def test_async_bounds_staleness_loses_nothing_survives_a_killed_engine_and_resum
     assert all(u in reissued or _position(u) >= stream["admitted"] for u in after)
 
 
-SCALED = textwrap.dedent("""
-    import json, os, sys, threading, time
-    from pathlib import Path
-    import ray
-    from orchestrator.config import load_config
-    from orchestrator.ops.jobs import scale
-    from orchestrator.rl.driver import run_training
-    from orchestrator.rl.fleet import Fleet, Roles
-
-    run_dir, model = Path(sys.argv[1]), sys.argv[2]
-    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)  # the session's head (tests/conftest.py)
-    resized = {}
-
-    def scaler():  # `fleetrl scale --run NAME --rollout 1`'s code, once the first step is in
-        metrics = run_dir / "metrics.jsonl"
-        while not metrics.exists() or not metrics.read_text().strip():
-            time.sleep(0.02)
-        try:
-            resized.update(scale(rollout=1, reward=None, run=run_dir.name, address=None, wait_s=300))
-        except Exception as e:
-            resized["error"] = repr(e)
-
-    thread = threading.Thread(target=scaler, daemon=True)
-    thread.start()
-    fleet = Fleet(load_config(None, []), Roles())  # its own actors: the scaled pool is not the shared fleet's
-    run_training(load_config(None, [f"run.dir={run_dir}", f"model.path={model}", *json.loads(sys.argv[3])]),
-                 fleet=fleet)
-    fleet.stop()
-    thread.join(60)  # scale() polls the run's status until it shows the new size
-    print("RESULT", json.dumps(resized), flush=True)
-""")
-
-
 @pytest.mark.e2e
-def test_async_waits_trains_lora_over_the_collective_push_and_scales_while_it_streams(tmp_path, embedded_model):
+def test_async_waits_trains_lora_over_the_collective_push_and_scales_while_it_streams(async_runs):
     """Only this runs `rollout.mode: async` with `stale_policy: wait`, LoRA (the merged push of the adapted blocks),
     the collective transport and `fleetrl scale` together on the real stack: after every push both engines sample
     what the learner computes; the batches are the stream's groups in admission order, none dropped, no token
     older than η = 1; the pool shrinks from 2 engines to 1 while they stream (the removed engine's prompts
-    requeued) and the run goes on to its last step."""
-    model = _perturbed_copy(embedded_model, tmp_path / "model")
-    overrides = ["rollout.mode=async", "rollout.max_staleness=1", "rollout.stale_policy=wait",
-                 "rollout.weight_sync=collective", "learner.lora.rank=8", "learner.lr=3e-3", "rollout.num_workers=2",
-                 "learner.num_ranks=1", "learner.zero_stage=0", "trainer.total_steps=4", "trainer.eval_every=0",
-                 "run.dump_rollouts=true", "rollout.max_new_tokens=24"]
-    env = subprocess_env(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", **shared_ray_env())
-    run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-c", SCALED, str(run), str(model), json.dumps(overrides)], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=900)
-    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-    assert r.returncode == 0 and lines, (r.stdout + r.stderr)[-6000:]
-    resized = json.loads(lines[0][len("RESULT "):])
+    requeued) and the run goes on to its last step. On the previous test's actors (its engines rebuilt)."""
+    assert async_runs["failure"] is None, async_runs["failure"]
+    resized, run = async_runs["results"][1], async_runs["scaled"]
     assert resized.get("rollout_workers") == 1, resized
     train = [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in x]
     assert [x["step"] for x in train] == [0, 1, 2, 3]

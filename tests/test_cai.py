@@ -266,7 +266,7 @@ TINY = """base:
   rollout: {num_workers: 1, group_size: 2, max_new_tokens: 24, temperature: 1.0, dtype: float32, kv_cache_gib: 1.5}
   reward: {num_workers: 1, functions: [{name: constitution}]}
   learner: {num_ranks: 1, zero_stage: 0, lr: 1.0e-5, micro_batch_tokens: 1024}
-  trainer: {total_steps: 1, eval_every: 1}
+  trainer: {total_steps: 1, eval_every: 0}
   run: {dir: %s}
 stages:
   - {name: sl_cai, kind: sft, cai_revisions: 64}

@@ -79,7 +79,8 @@ def nan_reward(prompt, completion, metadata):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("ranks,zero_stage", [(1, 0), (2, 2)])
+@pytest.mark.parametrize("ranks,zero_stage",
+                         [(1, 0), pytest.param(2, 2, marks=pytest.mark.learner(ranks=2, zero_stage=2))])
 def test_nan_steps_are_skipped_then_the_run_stops(tmp_path, ranks, zero_stage):
     r = fleetrl("train", f"run.dir={tmp_path}", "trainer.total_steps=6", "trainer.eval_every=0",
                 "trainer.max_bad_steps=2", "trainer.save_every=1", "rollout.num_workers=1",

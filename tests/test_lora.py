@@ -309,6 +309,7 @@ def test_cli_bad_lora_rank_exits_2_without_traceback(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.learner(ranks=2, zero_stage=3)
 def test_merged_push_reaches_the_engines_every_step(tmp_path):
     """Only this test guards the merged push on vLLM, and LoRA under ZeRO-3 on the real stack (2 ranks, the
     adapted blocks gathered for the push, the chunked head's gathered weight): the engine reloads the adapted

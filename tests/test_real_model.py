@@ -15,6 +15,7 @@ from tests.test_e2e import run_fleetrl
 
 
 @pytest.mark.e2e
+@pytest.mark.learner(ranks=2, zero_stage=2)
 def test_smollm2_chat_grpo_end_to_end(tmp_path, smollm2):
     from transformers import AutoTokenizer
 

@@ -33,8 +33,16 @@ MODES = {
 SAME = ("reward/mean", "loss", "kl", "entropy", "actor/grad_norm", "rollout/logprob_gap_max", "rollout/staleness_max")
 
 
+def _with_learner_mark(mode: str):
+    """``mode`` marked with its learner group (tests/conftest.py orders the end-to-end tests by it)."""
+    given = dict(a.split("=", 1) for a in MODES[mode] if a.startswith("learner.num_ranks=")
+                 or a.startswith("learner.zero_stage="))
+    return pytest.param(mode, marks=pytest.mark.learner(ranks=int(given["learner.num_ranks"]),
+                                                        zero_stage=int(given["learner.zero_stage"])))
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", [_with_learner_mark(m) for m in MODES])
 def test_resume_is_exact(tmp_path, mode):
     """4 steps straight, and 2 steps resumed from the step-2 checkpoint: the same rewards, losses, KL, gradient
     norms (and value losses, sampling rounds) at steps 2 and 3."""

@@ -178,7 +178,7 @@ class Fleet:
             self._stop(role)
         for role in kept:
             group = getattr(self, _ATTR[role])
-            group.cfg = GROUP_CONFIG.get(role, lambda c: c)(cfg)  # what a replacement actor is built from
+            group.cfg = group_config(cfg, role)  # what a replacement actor is built from
             if hasattr(group, "restarts"):
                 group.restarts, group.recovery_s = 0, 0.0  # the budget is per run
         return kept, rebuild
@@ -189,7 +189,7 @@ class Fleet:
 
         refs = []
         for role in roles:
-            built_from = GROUP_CONFIG.get(role, lambda c: c)(cfg)
+            built_from = group_config(cfg, role)
             refs += getattr(self, _ATTR[role]).rebuild(built_from, max_model_len(built_from))
         if "rollout" in roles:
             self.engine_weights = cfg.model.path  # read from disk: no load_model needed
@@ -414,7 +414,7 @@ def fit_keys(cfg: FleetConfig) -> dict[str, object]:
     ranks = object() if cfg.learner.zero_stage == 3 else placement_key(cfg)
 
     def engines(role: str):
-        built_from = GROUP_CONFIG.get(role, lambda c: c)(cfg)
+        built_from = group_config(cfg, role)
         placed = engine_pool_key(built_from)
         return (placed, engine_key(cfg, role)) if cfg.rollout.num_gpus else placed | {"threads": None}
 
@@ -442,7 +442,7 @@ def engine_key(cfg: FleetConfig, role: str = "rollout") -> tuple:
     from orchestrator.rl.launch import max_model_len
     from orchestrator.rl.specs import engine_spec, engine_threads
 
-    built_from = GROUP_CONFIG.get(role, lambda c: c)(cfg)
+    built_from = group_config(cfg, role)
     spec = engine_spec(built_from, max_model_len(built_from))
     if PUSHED[role]:
         return engine_threads(built_from), replace(spec, model_path=""), model_shape(built_from.model.path)
@@ -523,3 +523,9 @@ def _feedback_engines(cfg: FleetConfig):
 GROUP_CONFIG = {"teacher": teacher_config, "feedback": feedback_config}
 """The roles whose engines serve another model than the run's: the config their actors (and replacements) are
 built from."""
+
+
+def group_config(cfg: FleetConfig, role: str) -> FleetConfig:
+    """The config ``role``'s actors (and their replacements) are built from for a run of ``cfg``: the run's own,
+    or for the roles in :data:`GROUP_CONFIG` the one of the model they serve."""
+    return GROUP_CONFIG[role](cfg) if role in GROUP_CONFIG else cfg
