@@ -96,6 +96,7 @@ class LearnerWorker(LoggedActor):
 
         if getattr(self, "engine", None) is not None:  # the previous run's: its ZeRO optimizer's gradient hooks
             self.engine.destroy()  # live in C++ on the parameters and keep the whole engine alive unless removed
+            _forget_zero3_state()
         self.engine = self.ref = self.hf_model = self.peft = None
         gc.collect()
         torch.manual_seed(spec.seed + self.rank)
@@ -424,6 +425,21 @@ class LearnerWorker(LoggedActor):
         if client is None:
             raise RuntimeError(f"could not load the DeepSpeed checkpoint in {path}")
         torch.set_rng_state(client["rng"])
+
+
+def _forget_zero3_state() -> None:
+    """What ZeRO-3 keeps at module level after ``destroy()`` (DeepSpeed 0.19.8), each the last reference to the
+    engine, model and optimizer state, so that a rank that loads another run would keep them all: the module of the
+    last forward (``parameter_offload.FWD_MODULE_STACK``), and the class-level ``lru_cache`` of
+    ``PartitionedParameterCoordinator.__params_to_release`` keyed by (coordinator, module, step)."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    parameter_offload.FWD_MODULE_STACK.clear()
+    for method in vars(PartitionedParameterCoordinator).values():  # the cache sits inside instrument_w_nvtx
+        for cached in [method, *(c.cell_contents for c in getattr(method, "__closure__", None) or ())]:
+            if hasattr(cached, "cache_clear"):
+                cached.cache_clear()
 
 
 def _disable_dropout(model) -> None:

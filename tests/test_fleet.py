@@ -109,8 +109,7 @@ def test_a_fleet_keeps_for_the_next_run_only_the_actors_that_fit_it():
     assert fit_keys(same)["teacher"] == fit_keys(distill())["teacher"]
     assert engine_key(same, "teacher") == engine_key(distill(), "teacher")
     assert changed("learner.num_ranks=1") == {"learner", "critic"}
-    zero3 = fit_keys(load_config(None, ["learner.zero_stage=3"]))
-    assert zero3["learner"] != fit_keys(load_config(None, ["learner.zero_stage=3"]))["learner"]  # never reused
+    assert changed("learner.zero_stage=3") == set()  # ranks load a run of any ZeRO stage (test_invariance)
     assert changed("reward.functions=[{name: math}, {name: format}]") == {"reward"}
     calc = load_config(None, ["model.path=.fleetrl/models/calc-base"])
     assert engine_key(calc) != engine_key(load_config(None, []))  # another model shape (vocabulary): new engines

@@ -172,12 +172,13 @@ def _live_engines(worker) -> int:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("ranks,zero_stage", [(1, 2), (2, 0)])
+@pytest.mark.parametrize("ranks,zero_stage", [(1, 2), (2, 0), (1, 3), (2, 3)])
 def test_a_rank_that_loads_the_next_run_frees_the_previous_engine(update, ranks, zero_stage):
     """A fleet's learner ranks serve run after run (pipeline stages, the suite's shared fleets): the ZeRO
     optimizer's gradient hooks live on the parameters, in C++, where Python's collector cannot see the cycle back to
     the engine; without ``engine.destroy()`` every load kept the previous model, optimizer state and all (1 GB more
-    per stage on SmolLM2, until Ray's memory monitor killed the learners in the R1 recipe's fourth stage)."""
+    per stage on SmolLM2, until Ray's memory monitor killed the learners in the R1 recipe's fourth stage). ZeRO-3
+    also keeps the last forward's module in DeepSpeed's module-level stack, cleared after ``destroy()``."""
     update(ranks, zero_stage)
     assert RELOADED[ranks, zero_stage] == [1] * ranks
 

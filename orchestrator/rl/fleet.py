@@ -409,9 +409,7 @@ def fit_keys(cfg: FleetConfig) -> dict[str, object]:
     c = cfg.model_dump(mode="json")
     r = c["rollout"]
     pool = engine_pool_key(cfg)
-    # ZeRO-3 ranks never serve another run: its module hooks keep the engine alive after destroy() (DeepSpeed
-    # 0.19.8), so every run would add a model and its optimizer state (a fresh object equals no other key)
-    ranks = object() if cfg.learner.zero_stage == 3 else placement_key(cfg)
+    ranks = placement_key(cfg)
 
     def engines(role: str):
         built_from = group_config(cfg, role)
