@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import load_config
+from orchestrator.config import FleetConfig, load_config
 from orchestrator.loops import loop_for
 from tests.conftest import cli
 
@@ -123,7 +123,8 @@ def test_engines_serve_a_run_without_a_learner_only_with_its_model(monkeypatch, 
 
     fleet = Fleet.__new__(Fleet)
     fleet.learner = fleet.critic = fleet.envs = fleet.feedback = fleet.prm = fleet.orm = fleet.controller = None
-    fleet.rewards = None
+    fleet.teacher = None
+    fleet.rewards, fleet.parked = None, {}
     monkeypatch.setattr(Fleet, "_dead", lambda self, roles, timeout_s=60.0: set())
     monkeypatch.setattr(Fleet, "_stop", lambda self, role: None)
 
@@ -134,9 +135,9 @@ def test_engines_serve_a_run_without_a_learner_only_with_its_model(monkeypatch, 
         class Engines:  # the group's attributes _keep touches
             cfg, restarts, recovery_s = train, 0, 0.0
 
-        fleet.rollouts = Engines()
+        fleet.rollouts, fleet.built = Engines(), {"rollout": train}
         fleet.engine_weights = _engine_weights(train, first)
-        kept, rebuild = fleet._keep(train, evaluate, then, None)
+        kept, rebuild = fleet._keep(evaluate, then, None)
         assert not rebuild  # the same engine settings
         return kept
 
@@ -152,6 +153,59 @@ def test_engines_serve_a_run_without_a_learner_only_with_its_model(monkeypatch, 
     assert kept_after(safetensors, trains, evaluates) == {"rollout"}  # after training: reloaded from disk
     assert kept_after(torch_bin, trains, evaluates) == set()  # not loadable in place: new engines
     assert kept_after(safetensors, trains, evaluates, "learner.lora.rank=4") == set()  # adapters in the engines
+
+
+def test_a_group_a_run_does_not_use_is_parked_and_a_later_run_that_fits_keeps_it(monkeypatch):
+    """:meth:`Fleet._keep` between runs: an SFT run without evals parks the RL run's engines and reward actors
+    (idle, out of its groups) instead of stopping them, and the next RL run keeps them; a parked group that does not
+    fit that run, and a group holding GPUs, are stopped."""
+    from orchestrator.rl.fleet import _ATTR, Fleet, Roles
+
+    stopped: list[str] = []
+
+    def stop(self, role):
+        if getattr(self, _ATTR[role]) is not None:
+            stopped.append(role)
+        setattr(self, _ATTR[role], None)
+        self.built.pop(role, None)
+
+    monkeypatch.setattr(Fleet, "_dead", lambda self, roles, timeout_s=60.0: set())
+    monkeypatch.setattr(Fleet, "_stop", stop)
+    rl = load_config(None, ["rollout.num_workers=1"])
+    sft = load_config(None, ["rollout.num_workers=1", "algorithm={}", "algorithm.name=sft"])
+    trains, fine_tunes = Roles(learner=True, rollout=True, reward=True), Roles(learner=True)
+
+    class Group:  # the attributes _keep touches
+        cfg, restarts, recovery_s, judge = rl, 0, 0.0, None
+
+    def fleet_after_rl(first: FleetConfig = rl) -> Fleet:
+        fleet = Fleet(first, Roles())  # no actor: the groups are set by hand
+        fleet.learner, fleet.rollouts, fleet.rewards = Group(), Group(), Group()
+        fleet.built = dict.fromkeys(trains.names(), first)
+        return fleet
+
+    fleet = fleet_after_rl()
+    engines = fleet.rollouts
+    assert fleet._keep(sft, fine_tunes, None)[0] == {"learner"} and not stopped
+    assert set(fleet.parked) == {"rollout", "reward"} and fleet.groups().keys() == {"learner"}
+    assert fleet._keep(rl, trains, None) == ({"learner", "rollout", "reward"}, set())
+    assert fleet.rollouts is engines and not fleet.parked and not stopped
+    fleet._keep(sft, fine_tunes, None)
+    wider = load_config(None, ["rollout.num_workers=2"])  # another placement: the parked engines do not fit
+    assert fleet._keep(wider, trains, None)[0] == {"learner", "reward"} and stopped == ["rollout"]
+    stopped.clear()
+    gpu = load_config(None, ["rollout.num_workers=1", "rollout.num_gpus=1"])
+    fleet = fleet_after_rl(gpu)
+    fleet._keep(sft, fine_tunes, None)  # a parked GPU engine would keep its memory from the learner
+    assert stopped == ["rollout"] and set(fleet.parked) == {"reward"}
+    import ray  # a new group the cluster has no room for beside the parked ones: they are stopped
+
+    critic = load_config(None, ["algorithm.name=ppo"])  # learner.num_ranks critic ranks of learner.num_cpus each
+    for free, parked in ((8.0, {"reward"}), (0.5, set())):
+        monkeypatch.setattr(ray, "available_resources", lambda free=free: {"CPU": free})
+        fleet._make_room(critic, ["critic"], wait_s=0.3)
+        assert set(fleet.parked) == parked
+    assert stopped == ["rollout", "reward"]
 
 
 def test_cpu_engines_get_the_cores_when_they_generate_alone():

@@ -315,15 +315,18 @@ class Run:
                            f"{final}, summary {self.run_dir / 'summary.json'}")
 
     def summary(self) -> dict:
-        """``summary.json`` (the loop adds its own keys): steps, start-up, held-out accuracy, each actor's peak RSS."""
+        """``summary.json`` (the loop adds its own keys): steps, start-up, the actor groups it reused from the runs
+        before it on the same fleet (``fleet_kept``, :meth:`Fleet.serve`), held-out accuracy, each actor's peak
+        RSS."""
         evals = [m["eval/accuracy"] for m in self.metrics.history if "eval/accuracy" in m]
         steps = self.metrics.history[-1]["step"] if self.metrics.history else 0
         # this process's (a resumed run's history also holds the first process's)
         first_step = next((m["time/first_step_s"] for m in reversed(self.metrics.history)
                            if "time/first_step_s" in m), None)
         return {"steps": steps, "startup_s": _round(self.startup_s), "first_step_s": _round(first_step),
-                "algorithm": self.cfg.algorithm.name, "eval_accuracy_first": evals[0] if evals else None,
-                "eval_accuracy_last": evals[-1] if evals else None, "peak_rss_mb": self.fleet.peak_rss(),
+                "fleet_kept": self.fleet.kept, "algorithm": self.cfg.algorithm.name,
+                "eval_accuracy_first": evals[0] if evals else None, "eval_accuracy_last": evals[-1] if evals else None,
+                "peak_rss_mb": self.fleet.peak_rss(),
                 **self.loop.summary()}
 
     def _is_eval_step(self, step: int) -> bool:

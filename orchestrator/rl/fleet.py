@@ -10,8 +10,10 @@ resources); engines of the same model shape and engine settings get the run's st
 and CPU rollout actors of the same placement whose engines do not fit (other threads, context length, KV cache,
 prompt settings, model) build new engines in their own processes (:func:`engine_key`; 2-4 s against ~20 s for a
 new actor's start and imports); reward, env, PRM/ORM and judge actors with the same settings are kept as they are.
-What does not fit is stopped and started again, a role the run does not use is stopped, and every kept actor
-writes its output under the new run's ``logs/``.
+What does not fit is stopped and started again, and every kept actor writes its output under the new run's
+``logs/``. A group the run does not use is parked (:meth:`Fleet._park`: idle, out of the run's groups, logs and
+banner) for a later run it fits, such as the RL stage after an SFT stage, unless it holds GPUs or custom resources
+(a parked GPU engine keeps its memory) or a later run needs room that only stopping it frees.
 
 This is the only module that creates actor groups (``git grep "Pool(\\|LearnerGroup("``).
 """
@@ -73,7 +75,9 @@ class Fleet:
         from orchestrator.rl.pools import EnvPool, PRMPool, RewardPool, RolloutPool
 
         self.cfg, self.roles, self.startup_s = cfg, roles, None
-        self.kept: list[str] = []  # the groups the last run served kept from the run before it (serve)
+        self.kept: list[str] = []  # the groups the last run served kept from the runs before it (serve)
+        self.built = dict.fromkeys(roles.names(), cfg)  # per role, the config its group was last fitted to
+        self.parked: dict[str, object] = {}  # the groups of roles the last run did not use, by role (serve)
         self.t0 = time.perf_counter()
         self.learner = LearnerGroup(cfg) if roles.learner else None
         self.critic = LearnerGroup(cfg, role="critic") if roles.critic else None
@@ -128,15 +132,17 @@ class Fleet:
         self.runs += 1
         if self.runs == 1 and cfg == self.cfg and roles == self.roles:
             return self
-        old, self.cfg, self.roles = self.cfg, cfg, roles
-        kept, rebuild = self._keep(old, cfg, roles, judge)
+        self.cfg, self.roles = cfg, roles
+        kept, rebuild = self._keep(cfg, roles, judge)
         self._log_to(cfg, kept)
         loading = [ref for role in ("learner", "critic") if role in kept for ref in getattr(self, role).load(cfg)]
         loading += self._new_engines(cfg, rebuild)
         new = [r for r in roles.names() if r not in kept and r != "controller"]
+        self._make_room(cfg, new)
         fresh = Fleet(cfg, Roles(**dict.fromkeys(new, True)), judge)
         for role in new:
             setattr(self, _ATTR[role], getattr(fresh, _ATTR[role]))
+        self.built |= dict.fromkeys([*kept, *new], cfg)
         if self.rollouts is not None:  # the groups' links, across kept and new groups
             self.rollouts.envs = self.envs
             self.rollouts.current_weights = self.learner.weight_buckets if self.learner else None
@@ -157,31 +163,68 @@ class Fleet:
             if "rollout" in kept:  # the engines hold the last run's weights: the run starts from its own
                 self.weight_sync.push(0)
         self.startup_s, self.kept = time.perf_counter() - t0, sorted(kept)
-        log.info("fleet served a new run in %.1fs: kept %s%s; %s", self.startup_s, self.kept or "nothing",
-                 f" (new engines in the {' and '.join(sorted(rebuild))} actors)" if rebuild else "", self.describe())
+        log.info("fleet served a new run in %.1fs: kept %s%s%s; %s", self.startup_s, self.kept or "nothing",
+                 f" (new engines in the {' and '.join(sorted(rebuild))} actors)" if rebuild else "",
+                 f", parked {sorted(self.parked)}" if self.parked else "", self.describe())
         return self
 
-    def _keep(self, old: FleetConfig, cfg: FleetConfig, roles: Roles, judge) -> tuple[set[str], set[str]]:
-        """The roles whose actors fit the new run (see :func:`fit_keys`; every other group is stopped), and the
-        kept engine roles whose actors need new engines (:func:`engine_key`)."""
-        before, after = fit_keys(old), fit_keys(cfg)
-        kept = {r for r in roles.names() if r != "controller" and getattr(self, _ATTR[r]) is not None
-                and before[r] == after[r]}
-        kept -= self._dead(kept)  # an actor the last run lost (killed, out of memory) takes its group with it
-        rebuild = {r for r in kept & set(PUSHED) if engine_key(old, r) != engine_key(cfg, r)}
+    def _keep(self, cfg: FleetConfig, roles: Roles, judge) -> tuple[set[str], set[str]]:
+        """The roles whose actors fit the new run (see :func:`fit_keys`), parked ones included; the groups of roles
+        the run does not use are parked (:meth:`_park`), every other group is stopped. Also the kept engine roles
+        whose actors need new engines (:func:`engine_key`)."""
+        used = set(roles.names()) - {"controller"}
+        for role in used & set(self.parked):
+            setattr(self, _ATTR[role], self.parked.pop(role))
+        after, before = fit_keys(cfg), _fit_keys_of(self.built)
+        kept = {r for r in used if getattr(self, _ATTR[r]) is not None and before[r] == after[r]}
+        kept -= self._dead(kept)  # an actor a run lost (killed, out of memory) takes its group with it
+        rebuild = {r for r in kept & set(PUSHED) if engine_key(self.built[r], r) != engine_key(cfg, r)}
         if "rollout" in kept and not ("rollout" in rebuild or roles.learner or self.engine_weights == cfg.model.path
                                       or reloadable(cfg)):
             kept.discard("rollout")  # no learner to push the run's model, and it cannot be loaded from disk
         if judge is not None or (self.rewards is not None and self.rewards.judge is not None):
             kept.discard("reward")  # the judge reward holds engines of the run that made it
         for role in set(_ATTR) - kept:
-            self._stop(role)
+            if role in used or not self._park(role):
+                self._stop(role)
         for role in kept:
             group = getattr(self, _ATTR[role])
             group.cfg = group_config(cfg, role)  # what a replacement actor is built from
             if hasattr(group, "restarts"):
                 group.restarts, group.recovery_s = 0, 0.0  # the budget is per run
         return kept, rebuild
+
+    def _park(self, role: str) -> bool:
+        """Set ``role``'s group aside for a later run (True), unless it holds GPUs or custom resources, is the
+        controller, or its reward holds a judge's engines; a group already parked stays so."""
+        group = getattr(self, _ATTR[role])
+        if group is None:
+            return role in self.parked
+        if role == "controller" or getattr(group, "judge", None) is not None:
+            return False
+        if set(resource_demand(self.built[role], Roles(**{role: True}))) - {"CPU"}:
+            return False
+        self.parked[role] = group
+        setattr(self, _ATTR[role], None)
+        return True
+
+    def _make_room(self, cfg: FleetConfig, new: list[str], wait_s: float = 5.0) -> None:
+        """Stop every parked group when the cluster lacks what the ``new`` groups ask for (CPUs, GPUs, custom
+        resources); the actors stopped just before free theirs within ``wait_s``."""
+        import ray
+
+        if not (self.parked and new):
+            return
+        need = {k: sum(v.values()) for k, v in resource_demand(cfg, Roles(**dict.fromkeys(new, True))).items()}
+        deadline = time.monotonic() + wait_s
+        while any(n > ray.available_resources().get(k, 0.0) + 1e-9 for k, n in need.items()):
+            if time.monotonic() > deadline:
+                log.info("fleet: no room for %s beside the parked %s; stopping them", new, sorted(self.parked))
+                for role in list(self.parked):
+                    setattr(self, _ATTR[role], self.parked.pop(role))
+                    self._stop(role)
+                return
+            time.sleep(0.2)
 
     def _new_engines(self, cfg: FleetConfig, roles: set[str]) -> list:
         """The engine ``roles`` build new engines for a run of ``cfg`` in their actors: refs of the builds."""
@@ -246,6 +289,7 @@ class Fleet:
             with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(group.pg)
         setattr(self, _ATTR[role], None)
+        self.built.pop(role, None)
 
     def groups(self) -> dict[str, object]:
         """The groups started, by role."""
@@ -298,7 +342,10 @@ class Fleet:
         return dict(zip(refs, ray.get(list(refs.values()))))
 
     def stop(self) -> None:
-        """Kill every actor once (and free the learner groups' placement groups); safe to call twice."""
+        """Kill every actor once, parked ones too (and free the learner groups' placement groups); safe to call
+        twice."""
+        for role in list(self.parked):
+            setattr(self, _ATTR[role], self.parked.pop(role))
         for role in _ATTR:
             self._stop(role)
         self.weight_sync = None
@@ -332,24 +379,22 @@ def _engine_weights(cfg: FleetConfig, roles: Roles) -> str | None:
 
 
 def resource_demand(cfg: FleetConfig, roles: Roles) -> dict[str, dict[str, float]]:
-    """Per resource (GPU and custom ones), what each role's actors ask of the cluster in all."""
-    lc, r, out = cfg.learner, cfg.rollout, {}
-
-    def add(role: str, count: int, gpus: float, resources: dict) -> None:
-        for name, each in {"GPU": gpus, **resources}.items():
-            if each:
-                out.setdefault(name, {})[role] = out.get(name, {}).get(role, 0.0) + count * each
-
-    if roles.learner:
-        add("learner", lc.num_ranks, lc.num_gpus, lc.resources)
-    if roles.critic:
-        add("critic", lc.num_ranks, lc.num_gpus, lc.resources)
-    if roles.rollout:
-        add("rollout", r.num_workers, r.num_gpus * r.tensor_parallel_size, r.resources)
-    if roles.teacher:
-        add("teacher", cfg.distill.teacher_workers, r.num_gpus * r.tensor_parallel_size, r.resources)
-    if roles.reward:
-        add("reward", cfg.reward.num_workers, 0.0, cfg.reward.resources)
+    """Per resource (CPU, GPU and custom ones), what each role's actors ask of the cluster in all."""
+    lc, r, rm, out = cfg.learner, cfg.rollout, cfg.reward.model, {}
+    engine, ranks = (r.num_cpus, r.num_gpus * r.tensor_parallel_size, r.resources), \
+        (lc.num_ranks, lc.num_cpus, lc.num_gpus, lc.resources)
+    prm = (cfg.prm.num_workers, cfg.prm.num_cpus, 0.0, {})
+    asks = {  # role -> (actors, CPUs, GPUs, custom resources) of each kind of actor in its group
+        "learner": [ranks], "critic": [ranks], "rollout": [(r.num_workers, *engine)],
+        "teacher": [(cfg.distill.teacher_workers, *engine)], "feedback": [(1, *engine)],
+        "reward": [(cfg.reward.num_workers, cfg.reward.num_cpus, 0.0, cfg.reward.resources)]
+        + ([(rm.num_workers, rm.num_cpus, 0.0, {})] if rm.path else []),
+        "env": [(cfg.env.num_workers, cfg.env.num_cpus, 0.0, {})], "prm": [prm], "orm": [prm]}
+    for role in roles.names():
+        for count, cpus, gpus, resources in asks.get(role, []):
+            for name, each in {"CPU": cpus, "GPU": gpus, **resources}.items():
+                if each:
+                    out.setdefault(name, {})[role] = out.get(name, {}).get(role, 0.0) + count * each
     return out
 
 
@@ -365,6 +410,8 @@ def check_resources(cfg: FleetConfig, roles: Roles) -> None:
         check_this_machine(cfg, roles)
     have = ray.cluster_resources()
     for name, by_role in resource_demand(cfg, roles).items():
+        if name == "CPU":
+            continue
         need = sum(by_role.values())
         if need > have.get(name, 0.0) + 1e-9:
             who = ", ".join(f"{role} {v:g}" for role, v in by_role.items())
@@ -424,6 +471,12 @@ def fit_keys(cfg: FleetConfig) -> dict[str, object]:
         "orm": (c["prm"], c["reward"]["max_restarts"], c["trainer"]["torch_threads"]),
         "feedback": (c["cai"], pool, c["data"]["max_prompt_tokens"], r["max_new_tokens"]),
     }
+
+
+def _fit_keys_of(built: dict[str, FleetConfig]) -> dict[str, object]:
+    """Per role of ``built``, the fit key (:func:`fit_keys`) of the config its group was last fitted to."""
+    by_cfg = {id(c): fit_keys(c) for c in built.values()}
+    return {role: by_cfg[id(c)][role] for role, c in built.items()}
 
 
 PUSHED = {"rollout": True, "teacher": False}

@@ -82,15 +82,14 @@ def max_model_len(cfg: FleetConfig) -> int:
 
 
 def _cpus_needed(cfg: FleetConfig) -> float:
-    learner_groups = 2 if cfg.algorithm.uses_critic else 1
-    rm = cfg.reward.model
-    envs = cfg.env.num_workers * cfg.env.num_cpus if cfg.env.name else 0.0
-    return (envs + cfg.rollout.num_workers * cfg.rollout.num_cpus + cfg.reward.num_workers * cfg.reward.num_cpus
-            + learner_groups * cfg.learner.num_ranks * cfg.learner.num_cpus
-            + (rm.num_workers * rm.num_cpus if rm.path else 0)
-            + (2 * cfg.prm.num_workers * cfg.prm.num_cpus if cfg.prm.path or cfg.prm.orm_path else 0)
-            + (cfg.rollout.num_cpus if cfg.judge_spec and cfg.cai.judge == "model" else 0)
-            + (cfg.distill.teacher_workers * cfg.rollout.num_cpus if cfg.algorithm.uses_teacher else 0))
+    """The CPUs of every group ``cfg`` configures (:func:`orchestrator.rl.fleet.resource_demand`)."""
+    from orchestrator.rl.fleet import Roles, resource_demand
+
+    prm = bool(cfg.prm.path or cfg.prm.orm_path)
+    roles = Roles(learner=True, critic=cfg.algorithm.uses_critic, rollout=True, reward=True, env=bool(cfg.env.name),
+                  prm=prm, orm=prm, feedback=bool(cfg.judge_spec) and cfg.cai.judge == "model",
+                  teacher=cfg.algorithm.uses_teacher)
+    return sum(resource_demand(cfg, roles).get("CPU", {}).values())
 
 
 KIND_ARGS = {"arith": {"kind": "arith"}, "think": {"kind": "think"},
