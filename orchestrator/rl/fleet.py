@@ -76,7 +76,7 @@ class Fleet:
 
         self.cfg, self.roles, self.startup_s = cfg, roles, None
         self.kept: list[str] = []  # the groups the last run served kept from the runs before it (serve)
-        self.built = dict.fromkeys(roles.names(), cfg)  # per role, the config its group was last fitted to
+        self.built = {r: cfg for r in roles.names() if r != "controller"}  # per group, the config it last fitted
         self.parked: dict[str, object] = {}  # the groups of roles the last run did not use, by role (serve)
         self.t0 = time.perf_counter()
         self.learner = LearnerGroup(cfg) if roles.learner else None
