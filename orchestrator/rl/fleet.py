@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from orchestrator.config import FleetConfig
+from orchestrator.rl.launch import resource_demand
 
 log = logging.getLogger("fleetrl")
 
@@ -202,7 +203,7 @@ class Fleet:
             return role in self.parked
         if role == "controller" or getattr(group, "judge", None) is not None:
             return False
-        if set(resource_demand(self.built[role], Roles(**{role: True}))) - {"CPU"}:
+        if set(resource_demand(self.built[role], [role])) - {"CPU"}:
             return False
         self.parked[role] = group
         setattr(self, _ATTR[role], None)
@@ -215,7 +216,7 @@ class Fleet:
 
         if not (self.parked and new):
             return
-        need = {k: sum(v.values()) for k, v in resource_demand(cfg, Roles(**dict.fromkeys(new, True))).items()}
+        need = {k: sum(v.values()) for k, v in resource_demand(cfg, new).items()}
         deadline = time.monotonic() + wait_s
         while any(n > ray.available_resources().get(k, 0.0) + 1e-9 for k, n in need.items()):
             if time.monotonic() > deadline:
@@ -378,26 +379,6 @@ def _engine_weights(cfg: FleetConfig, roles: Roles) -> str | None:
     return cfg.model.path if roles.rollout and not roles.learner else None
 
 
-def resource_demand(cfg: FleetConfig, roles: Roles) -> dict[str, dict[str, float]]:
-    """Per resource (CPU, GPU and custom ones), what each role's actors ask of the cluster in all."""
-    lc, r, rm, out = cfg.learner, cfg.rollout, cfg.reward.model, {}
-    engine, ranks = (r.num_cpus, r.num_gpus * r.tensor_parallel_size, r.resources), \
-        (lc.num_ranks, lc.num_cpus, lc.num_gpus, lc.resources)
-    prm = (cfg.prm.num_workers, cfg.prm.num_cpus, 0.0, {})
-    asks = {  # role -> (actors, CPUs, GPUs, custom resources) of each kind of actor in its group
-        "learner": [ranks], "critic": [ranks], "rollout": [(r.num_workers, *engine)],
-        "teacher": [(cfg.distill.teacher_workers, *engine)], "feedback": [(1, *engine)],
-        "reward": [(cfg.reward.num_workers, cfg.reward.num_cpus, 0.0, cfg.reward.resources)]
-        + ([(rm.num_workers, rm.num_cpus, 0.0, {})] if rm.path else []),
-        "env": [(cfg.env.num_workers, cfg.env.num_cpus, 0.0, {})], "prm": [prm], "orm": [prm]}
-    for role in roles.names():
-        for count, cpus, gpus, resources in asks.get(role, []):
-            for name, each in {"CPU": cpus, "GPU": gpus, **resources}.items():
-                if each:
-                    out.setdefault(name, {})[role] = out.get(name, {}).get(role, 0.0) + count * each
-    return out
-
-
 def check_resources(cfg: FleetConfig, roles: Roles) -> None:
     """GPUs and custom resources the roles ask for that the connected cluster does not have at all: a ConfigError
     before any actor is created (Ray would wait for them forever; CPUs are not checked: a private local instance is
@@ -409,7 +390,7 @@ def check_resources(cfg: FleetConfig, roles: Roles) -> None:
     if not (cfg.run.ray_address or os.environ.get("RAY_ADDRESS")):
         check_this_machine(cfg, roles)
     have = ray.cluster_resources()
-    for name, by_role in resource_demand(cfg, roles).items():
+    for name, by_role in resource_demand(cfg, roles.names()).items():
         if name == "CPU":
             continue
         need = sum(by_role.values())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from orchestrator.config import EMBEDDED_MODEL_PATH, EMBEDDED_MODELS, ConfigError, FleetConfig
@@ -82,14 +83,33 @@ def max_model_len(cfg: FleetConfig) -> int:
 
 
 def _cpus_needed(cfg: FleetConfig) -> float:
-    """The CPUs of every group ``cfg`` configures (:func:`orchestrator.rl.fleet.resource_demand`)."""
-    from orchestrator.rl.fleet import Roles, resource_demand
-
+    """The CPUs of every group ``cfg`` configures (:func:`resource_demand`)."""
     prm = bool(cfg.prm.path or cfg.prm.orm_path)
-    roles = Roles(learner=True, critic=cfg.algorithm.uses_critic, rollout=True, reward=True, env=bool(cfg.env.name),
-                  prm=prm, orm=prm, feedback=bool(cfg.judge_spec) and cfg.cai.judge == "model",
-                  teacher=cfg.algorithm.uses_teacher)
-    return sum(resource_demand(cfg, roles).get("CPU", {}).values())
+    roles = {"learner": True, "critic": cfg.algorithm.uses_critic, "rollout": True, "reward": True,
+             "env": bool(cfg.env.name), "prm": prm, "orm": prm, "teacher": cfg.algorithm.uses_teacher,
+             "feedback": bool(cfg.judge_spec) and cfg.cai.judge == "model"}
+    return sum(resource_demand(cfg, [r for r, used in roles.items() if used]).get("CPU", {}).values())
+
+
+def resource_demand(cfg: FleetConfig, roles: Iterable[str]) -> dict[str, dict[str, float]]:
+    """Per resource (CPU, GPU and custom ones), what the actors of each of ``roles`` (the names of
+    :class:`orchestrator.rl.fleet.Roles`) ask of the cluster in all."""
+    lc, r, rm, out = cfg.learner, cfg.rollout, cfg.reward.model, {}
+    engine, ranks = (r.num_cpus, r.num_gpus * r.tensor_parallel_size, r.resources), \
+        (lc.num_ranks, lc.num_cpus, lc.num_gpus, lc.resources)
+    prm = (cfg.prm.num_workers, cfg.prm.num_cpus, 0.0, {})
+    asks = {  # role -> (actors, CPUs, GPUs, custom resources) of each kind of actor in its group
+        "learner": [ranks], "critic": [ranks], "rollout": [(r.num_workers, *engine)],
+        "teacher": [(cfg.distill.teacher_workers, *engine)], "feedback": [(1, *engine)],
+        "reward": [(cfg.reward.num_workers, cfg.reward.num_cpus, 0.0, cfg.reward.resources)]
+        + ([(rm.num_workers, rm.num_cpus, 0.0, {})] if rm.path else []),
+        "env": [(cfg.env.num_workers, cfg.env.num_cpus, 0.0, {})], "prm": [prm], "orm": [prm]}
+    for role in roles:
+        for count, cpus, gpus, resources in asks.get(role, []):
+            for name, each in {"CPU": cpus, "GPU": gpus, **resources}.items():
+                if each:
+                    out.setdefault(name, {})[role] = out.get(name, {}).get(role, 0.0) + count * each
+    return out
 
 
 KIND_ARGS = {"arith": {"kind": "arith"}, "think": {"kind": "think"},
