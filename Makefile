@@ -39,12 +39,16 @@ lint: setup
 	$(VENV)/bin/ruff check orchestrator workers learner rewards common tests examples
 	$(VENV)/bin/mypy
 
+# two pytest-xdist workers in two lanes: the end-to-end tests on the session's fleet in one, the other end-to-end
+# tests and then the unit tests in the other (tests/conftest.py, _lanes)
+LANES = -n 2
+
 test: setup lint
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider $(LANES) --durations=15 tests
 
 # the unit tier: no Ray cluster, no engines (about 1.5 min on 2 cores); CI runs the whole `make test`
 test-fast: setup lint
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not e2e" tests
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider $(LANES) -m "not e2e" tests
 
 # the whole suite with line coverage of orchestrator/, workers/, learner/ and rewards/ in every process it starts
 # (CLI subprocesses, Ray actors: tests/coverage_hook.py); slower than `make test`. Report: coverage-report.txt
@@ -53,7 +57,7 @@ coverage: setup lint
 	rm -f .coverage .coverage.*
 	echo 'import os; exec(open(os.environ["FLEETRL_COVERAGE_HOOK"]).read(), {"__name__": "fleetrl_coverage_hook"}) if os.environ.get("FLEETRL_COVERAGE_HOOK") else None' > $(COVERAGE_PTH)
 	COVERAGE_PROCESS_START=$(CURDIR)/pyproject.toml COVERAGE_FILE=$(CURDIR)/.coverage \
-	FLEETRL_COVERAGE_HOOK=$(CURDIR)/tests/coverage_hook.py $(PY) -m pytest -q -p no:cacheprovider --durations=15 tests; \
+	FLEETRL_COVERAGE_HOOK=$(CURDIR)/tests/coverage_hook.py $(PY) -m pytest -q -p no:cacheprovider $(LANES) --durations=15 tests; \
 	status=$$?; $(PY) -m coverage combine -q && $(PY) -m coverage report > coverage-report.txt; \
 	tail -1 coverage-report.txt; exit $$status
 

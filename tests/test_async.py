@@ -251,6 +251,7 @@ def async_runs(tmp_path_factory, embedded_model) -> dict:
             "failure": None if r.returncode == 0 and len(lines) == 2 else (r.stdout + r.stderr)[-6000:]}
 
 
+@pytest.mark.own_fleet
 @pytest.mark.e2e
 def test_async_bounds_staleness_loses_nothing_survives_a_killed_engine_and_resumes_its_stream(async_runs):
     """η = 2 on the real stack (two engines, pushes landing mid-generation, an eval mid-stream): every trained
@@ -287,6 +288,7 @@ def test_async_bounds_staleness_loses_nothing_survives_a_killed_engine_and_resum
     assert all(u in reissued or _position(u) >= stream["admitted"] for u in after)
 
 
+@pytest.mark.own_fleet
 @pytest.mark.e2e
 def test_async_waits_trains_lora_over_the_collective_push_and_scales_while_it_streams(async_runs):
     """Only this runs `rollout.mode: async` with `stale_policy: wait`, LoRA (the merged push of the adapted blocks),

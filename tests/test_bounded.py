@@ -117,6 +117,7 @@ ACTOR_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.own_fleet
 @pytest.mark.e2e
 def test_a_real_reward_actor_stops_hanging_completions_and_dies_with_its_processes():
     from tests.conftest import shared_ray_env

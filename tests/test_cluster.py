@@ -92,6 +92,7 @@ def _scrape(ports: list[int]) -> str:
     return text
 
 
+@pytest.mark.own_fleet
 @pytest.mark.e2e
 def test_two_node_cluster_submit_scale_status_metrics(cluster, tmp_path):
     run_dir = tmp_path / "cluster-run"
@@ -178,6 +179,7 @@ except Exception as e:
 """
 
 
+@pytest.mark.own_fleet
 @pytest.mark.e2e
 def test_scale_before_a_reruns_first_step_waits_for_it_not_for_the_earlier_runs_end(tmp_path):
     """A run named like an earlier one (`tmp_path/run` in every test) is scaled before its first step is in: `scale`

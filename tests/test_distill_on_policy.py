@@ -60,6 +60,7 @@ def _rows(run_dir) -> list[dict]:
     return [r for r in rows if "reward/mean" in r]
 
 
+@pytest.mark.own_fleet
 @pytest.mark.e2e
 def test_on_policy_distillation_scores_every_sampled_token_with_the_teachers_engines(tmp_path, embedded_model):
     """Three runs on one fleet. The teacher is the student: every advantage is exactly 0 (both logprobs come from

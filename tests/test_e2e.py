@@ -37,6 +37,7 @@ def run_fleetrl(run_dir: Path, *args: str, timeout: int = 600) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.own_fleet
 @pytest.mark.e2e
 def test_grpo_three_steps_real_stack(tmp_path):
     run_dir = tmp_path / "run"

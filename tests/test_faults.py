@@ -54,6 +54,7 @@ def _run(tmp_path):
     return r.stdout, rows
 
 
+@pytest.mark.own_fleet
 @pytest.mark.e2e
 def test_killed_actors_are_replaced_and_a_dead_learner_stops_the_run(tmp_path):
     """Guards fault handling in one run: a rollout and the reward actor killed after step 1 are replaced and
@@ -139,6 +140,7 @@ def test_a_run_whose_reward_calls_fail_stops_with_the_first_failure(tmp_path):
     assert not (metrics.exists() and metrics.read_text().strip()) and not (tmp_path / "final").exists()
 
 
+@pytest.mark.own_fleet
 @pytest.mark.e2e
 def test_gpus_the_cluster_does_not_have_are_refused_before_anything_starts(tmp_path):
     proc = train(tmp_path / "run", "learner.num_gpus=1", "rollout.num_gpus=1")
@@ -148,6 +150,7 @@ def test_gpus_the_cluster_does_not_have_are_refused_before_anything_starts(tmp_p
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["logs"], list((tmp_path / "run").iterdir())
 
 
+@pytest.mark.own_fleet
 @pytest.mark.e2e
 def test_a_start_up_past_its_timeout_names_what_it_waits_for(tmp_path):
     proc = train(tmp_path, "run.startup_timeout_s=1", "rollout.num_workers=1", "learner.num_ranks=1",

@@ -171,6 +171,7 @@ def _live_engines(worker) -> int:
     return sum(isinstance(o, deepspeed.DeepSpeedEngine) for o in gc.get_objects())
 
 
+@pytest.mark.own_fleet
 @pytest.mark.e2e
 @pytest.mark.parametrize("ranks,zero_stage", [(1, 2), (2, 0), (1, 3), (2, 3)])
 def test_a_rank_that_loads_the_next_run_frees_the_previous_engine(update, ranks, zero_stage):
@@ -191,6 +192,7 @@ def rounding_tolerance(before: torch.Tensor, ref_after: torch.Tensor, after: tor
     return WEIGHT_FLOOR + LR / ADAM_EPS * (1 - u.clamp(max=1)) ** 2 * GRAD_ROUNDING
 
 
+@pytest.mark.own_fleet
 @pytest.mark.e2e
 def test_the_reference_update_moves_the_weights(update):
     before, after, metrics, gas = update(*REFERENCE)
@@ -205,6 +207,7 @@ def test_the_reference_update_moves_the_weights(update):
 @pytest.mark.e2e
 @pytest.mark.parametrize("ranks,zero_stage", [c for c in RANKS_AND_STAGES if c != REFERENCE],
                          ids=[f"{r}rank-zero{z}" for r, z in RANKS_AND_STAGES if (r, z) != REFERENCE])
+@pytest.mark.own_fleet
 def test_split_and_zero_stage_give_the_same_update(update, ranks, zero_stage):
     ref_before, ref_after, ref_metrics, _ = update(*REFERENCE)
     before, after, metrics, gas = update(ranks, zero_stage)

@@ -60,6 +60,7 @@ def test_failed_conversion_leaves_the_old_directory(tmp_path):
         model_import.import_gguf(tmp_path / "bad.gguf", tmp_path / "out")
 
 
+@pytest.mark.own_fleet
 @pytest.mark.e2e
 def test_smollm2_imports_and_matches_vllm(smollm2_import):
     """Guards the GGUF conversion: the converted model matches vLLM, is SmolLM2 (not noise), and has its chat

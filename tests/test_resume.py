@@ -144,6 +144,7 @@ def test_bad_resume_path_exits_2_before_starting_ray(tmp_path):
     assert "Started a local Ray instance" not in r.stderr
 
 
+@pytest.mark.own_fleet
 @pytest.mark.e2e
 def test_full_disk_during_checkpoint_keeps_previous_one(tmp_path):
     """A run dir on a small tmpfs: the first checkpoint fits, the second does not. The error says the disk

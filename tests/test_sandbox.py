@@ -7,6 +7,7 @@ These run real sandboxes (namespaces + chroot), so they need root, like the CI; 
 :func:`test_non_root_fails_loudly` shows what the sandbox does instead.
 """
 
+import contextlib
 import fcntl
 import json
 import os
@@ -23,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from stat import S_ISGID, S_ISUID
 
+import psutil
 import pytest
 
 from rewards import sandbox
@@ -57,16 +59,25 @@ def score(completion: str, tests=SUM_TESTS, **params) -> float:
 
 
 def sandbox_processes() -> list[int]:
-    """Host pids of the processes running as any sandbox uid."""
+    """Host pids of the processes running as any sandbox uid, but those of the other pytest-xdist workers (the
+    config checks of their tests score samples with the code reward too): this process's sandboxes, and any
+    orphaned process of theirs, are all counted."""
+    others = {p.pid for p in psutil.Process().parent().children()} - {os.getpid()}
     pids = []
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
             uid = int(next(line for line in status.read_text().splitlines() if line.startswith("Uid:")).split()[1])
         except (OSError, StopIteration):
             continue  # exited while we looked
-        if UID_BASE <= uid < UID_BASE + UID_SLOTS:
+        if UID_BASE <= uid < UID_BASE + UID_SLOTS and not _descends_from(int(status.parent.name), others):
             pids.append(int(status.parent.name))
     return pids
+
+
+def _descends_from(pid: int, ancestors: set[int]) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return any(p.pid in ancestors for p in psutil.Process(pid).parents())
+    return False
 
 
 def children_of_this_process() -> list[int]:

@@ -77,6 +77,7 @@ def _logprobs(path, prompt_ids, token_ids) -> list[float]:
     return [logits[len(prompt_ids) - 1 + i, t].item() for i, t in enumerate(token_ids)]
 
 
+@pytest.mark.own_fleet
 @pytest.mark.e2e
 def test_a_push_mid_generation_keeps_every_token_and_the_new_weights_sample_the_rest(tmp_path, embedded_model):
     from transformers import AutoTokenizer
@@ -152,6 +153,7 @@ ACTOR_DRIVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.own_fleet
 @pytest.mark.e2e
 def test_a_streaming_rollout_actor_takes_a_push_while_it_generates(tmp_path, embedded_model):
     """The `rollout-i` actor's stream (stream_start/submit/take/stop): generation goes on between the driver's

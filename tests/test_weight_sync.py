@@ -99,6 +99,7 @@ def untied_copy(tmp: Path, src: Path | str | None = None) -> Path:
 # and the default path's logprobs are checked by every other end-to-end run). The second run's model has another
 # head layout and its engines other threads, so the fleet keeps the rollout actors and rebuilds their engines in
 # place (Fleet.serve): only this test checks rebuilt engines parameter by parameter.
+@pytest.mark.own_fleet
 @pytest.mark.e2e
 def test_every_engine_parameter_equals_the_learners_after_several_pushes(tmp_path):
     common = ["rollout.mode=one_step_off", "rollout.num_workers=2", "learner.num_ranks=2", "learner.zero_stage=2"]

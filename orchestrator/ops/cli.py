@@ -239,7 +239,9 @@ def _run_training_command(args, cfg: FleetConfig, fleet) -> None:
 
 
 def _init_model(args) -> int:
-    """`init-model`: the embedded model, or a real one converted from GGUF and checked against vLLM."""
+    """`init-model`: the embedded model, or a real one converted from GGUF and checked against vLLM (built once:
+    a second `init-model` meanwhile waits for it, :func:`~common.build_once.build_once`)."""
+    from common.build_once import build_once
     from orchestrator.models import model_import
 
     if args.gguf is not None and args.out is None:
@@ -248,9 +250,20 @@ def _init_model(args) -> int:
     real = args.from_name is not None or args.gguf is not None
     embedded = next(p for p, k in EMBEDDED_MODELS.items() if k == args.kind)
     out = Path(args.out or (model_import.default_dir(args.from_name) if real else embedded))
-    if (out / "config.json").exists() and not args.force:
+    try:
+        built = build_once(out, lambda: _build_model(args, out, real), force=args.force)
+    except (model_import.ModelImportError, FileExistsError) as e:
+        print(f"fleetrl: {e}", file=sys.stderr)
+        return 2
+    if not built:
         print(f"{out} exists (use --force to rebuild)")
-        return 0
+    return 0
+
+
+def _build_model(args, out: Path, real: bool) -> None:
+    """`init-model`'s build: the embedded model of ``--kind``, or the GGUF converted and checked against vLLM."""
+    from orchestrator.models import model_import
+
     if not real:
         from orchestrator.models.embedded_model import init_model
 
@@ -258,15 +271,10 @@ def _init_model(args) -> int:
         if args.kind in ("arith", "think", "chain") and args.target_accuracy is not None:
             kwargs["target_accuracy"] = args.target_accuracy
         print(init_model(out, seed=args.seed, **kwargs))
-        return 0
-    try:
-        gguf = args.gguf or model_import.packaged_gguf(args.from_name)
-        info = model_import.import_gguf(gguf, out, overwrite=args.force)
-        print(model_import.format_summary(info, info["check"]))
-    except (model_import.ModelImportError, FileExistsError) as e:
-        print(f"fleetrl: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return
+    gguf = args.gguf or model_import.packaged_gguf(args.from_name)
+    info = model_import.import_gguf(gguf, out, overwrite=args.force)
+    print(model_import.format_summary(info, info["check"]))
 
 
 def _training(run, cfg: FleetConfig) -> int:

@@ -153,11 +153,16 @@ def ensure_model(cfg: FleetConfig) -> None:
         check_model_dir(path, "model.path")
         return
     if cfg.model.path in EMBEDDED_MODELS:
+        from common.build_once import build_once
         from orchestrator.models.embedded_model import init_model
 
         kind = EMBEDDED_MODELS[cfg.model.path]
-        print(f"embedded model missing: building it in {path} (fleetrl init-model --kind {kind})", flush=True)
-        init_model(path, seed=cfg.model.init_seed, **KIND_ARGS[kind])
+
+        def build() -> None:
+            print(f"embedded model missing: building it in {path} (fleetrl init-model --kind {kind})", flush=True)
+            init_model(path, seed=cfg.model.init_seed, **KIND_ARGS[kind])
+
+        build_once(path, build)
         return
     raise ConfigError(f"model.path: {cfg.model.path!r} is not a model directory (no config.json there); "
                       f"give a local HF model directory, or leave the default {EMBEDDED_MODEL_PATH!r}")
