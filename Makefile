@@ -46,7 +46,7 @@ LANES = -n 2
 test: setup lint
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider $(LANES) --durations=15 tests
 
-# the unit tier: no Ray cluster, no engines (about 1.5 min on 2 cores); CI runs the whole `make test`
+# the unit tier: no Ray cluster, no engines (about 1.6 min on 2 cores); CI runs the whole `make test`
 test-fast: setup lint
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider $(LANES) -m "not e2e" tests
 

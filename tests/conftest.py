@@ -2,7 +2,8 @@
 
 Each `fleetrl train` / `eval` / `rft` subprocess joins it (``RAY_ADDRESS``) as its own Ray job, as it would on a
 real cluster, and its actors die with its driver. That saves each run a private Ray start and stop (~10-15 s on
-2 cores). The head starts on first use and is stopped at the end of the session (only its own processes)."""
+2 cores). The head starts on first use and is stopped at the end of the session (only its own processes); under
+pytest-xdist (``make test``: two lanes, :func:`_lanes`) each worker has a head of its own."""
 
 from __future__ import annotations
 

@@ -174,8 +174,7 @@ class Fleet:
         the run does not use are parked (:meth:`_park`), every other group is stopped. Also the kept engine roles
         whose actors need new engines (:func:`engine_key`)."""
         used = set(roles.names()) - {"controller"}
-        for role in used & set(self.parked):
-            setattr(self, _ATTR[role], self.parked.pop(role))
+        self._unpark(used)
         after, before = fit_keys(cfg), _fit_keys_of(self.built)
         kept = {r for r in used if getattr(self, _ATTR[r]) is not None and before[r] == after[r]}
         kept -= self._dead(kept)  # an actor a run lost (killed, out of memory) takes its group with it
@@ -209,6 +208,13 @@ class Fleet:
         setattr(self, _ATTR[role], None)
         return True
 
+    def _unpark(self, roles: set[str]) -> set[str]:
+        """Put the parked groups of ``roles`` back in place (:meth:`_park` undone); the roles that were parked."""
+        back = roles & set(self.parked)
+        for role in back:
+            setattr(self, _ATTR[role], self.parked.pop(role))
+        return back
+
     def _make_room(self, cfg: FleetConfig, new: list[str], wait_s: float = 5.0) -> None:
         """Stop every parked group when the cluster lacks what the ``new`` groups ask for (CPUs, GPUs, custom
         resources); the actors stopped just before free theirs within ``wait_s``."""
@@ -221,8 +227,7 @@ class Fleet:
         while any(n > ray.available_resources().get(k, 0.0) + 1e-9 for k, n in need.items()):
             if time.monotonic() > deadline:
                 log.info("fleet: no room for %s beside the parked %s; stopping them", new, sorted(self.parked))
-                for role in list(self.parked):
-                    setattr(self, _ATTR[role], self.parked.pop(role))
+                for role in self._unpark(set(self.parked)):
                     self._stop(role)
                 return
             time.sleep(0.2)
@@ -345,8 +350,7 @@ class Fleet:
     def stop(self) -> None:
         """Kill every actor once, parked ones too (and free the learner groups' placement groups); safe to call
         twice."""
-        for role in list(self.parked):
-            setattr(self, _ATTR[role], self.parked.pop(role))
+        self._unpark(set(self.parked))
         for role in _ATTR:
             self._stop(role)
         self.weight_sync = None
