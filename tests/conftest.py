@@ -229,6 +229,7 @@ def lanes_file(controller_pid: int) -> Path:
     return Path(tempfile.gettempdir()) / f"fleetrl-lanes-{controller_pid}.json"
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a session without xdist has no such hook
 def pytest_xdist_make_scheduler(config, log):
     """`-n N`'s scheduler: :class:`LaneScheduling` (``--dist load``, the default with ``-n``, only)."""
     if config.getvalue("dist") != "load":

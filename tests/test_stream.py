@@ -220,3 +220,38 @@ def test_a_call_to_a_stream_whose_thread_ended_is_answered_at_once_not_after_its
     with pytest.raises(RuntimeError, match="generation stream"):
         failing.call(lambda: 1, "stream_stop", timeout=60)
     assert time.monotonic() - t0 < 5
+
+
+class _FinishesWhenCalled:
+    """A stream whose one sample finishes in the step during which a call is queued (``stream_stop``'s abort)."""
+
+    def __init__(self):
+        self.in_flight, self.service = 1, None
+
+    def step(self):
+        import time
+        from types import SimpleNamespace
+
+        while self.service is None or self.service.commands.empty():  # the service starts stepping at once
+            time.sleep(0.01)
+        self.in_flight = 0
+        return [SimpleNamespace(uid="u/0")]
+
+    def abort_all(self):
+        return self.in_flight
+
+
+def test_a_sample_that_finishes_while_the_stream_stops_is_not_an_error():
+    """RolloutWorker.stream_stop forgets the streamed samples only after the stream's last step: a sample that
+    finishes while the stop's abort waits for the step to end finds its entry (the async fixture's run ended with
+    ``KeyError('s6-8/6')`` on the stream's thread, which left the engine's requests unaborted for the next run)."""
+    from types import SimpleNamespace
+
+    from workers.rollout import RolloutWorker
+    from workers.stream import StreamService
+
+    stream = _FinishesWhenCalled()
+    worker = SimpleNamespace(streamed={"u/0": ("u", 0, "text", {})})
+    worker.service = stream.service = StreamService(stream, lambda p: worker.streamed.pop(p.uid))
+    assert RolloutWorker.stream_stop(worker) == 0
+    assert stream.service.error is None and worker.streamed == {} and worker.service is None

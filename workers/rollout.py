@@ -334,11 +334,16 @@ class RolloutWorker(LoggedActor):
         """Back to call-by-call generation; the unfinished samples are dropped (their number is returned)."""
         if self.service is None:
             return 0
-        service, self.service, self.streamed = self.service, None, {}
+        service, self.service = self.service, None
         try:
             return service.call(service.stream.abort_all, "stream_stop")
         finally:  # detached even when the stream thread died or did not answer
             service.close()
+            if not service.thread.is_alive():
+                service.stream.abort_all()  # what a thread that died left in the engine (none after the call)
+            # only now: a sample that finishes in the steps before the abort still finds its entry (cleared
+            # first, its KeyError ended the stream's thread and left its requests in the engine)
+            self.streamed = {}
 
     def _streamed_sample(self, p) -> Sample:
         uid, j, text, meta = self.streamed.pop(p.uid)
