@@ -69,6 +69,7 @@ stages:
 """
 
 
+@pytest.mark.own_fleet  # mostly processes of its own (the killed run, the stage alone); its rerun starts a fleet server
 @pytest.mark.e2e
 def test_pipeline_killed_in_stage_two_resumes_without_repeating_stage_one(tmp_path):
     run_dir = tmp_path / "run"
