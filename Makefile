@@ -9,7 +9,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup train test test-fast coverage lint model smollm2 docs clean bench bench-quick
+.PHONY: setup train test test-fast coverage lint model smollm2 docs clean bench bench-quick check-gpu-extra
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -79,6 +79,22 @@ bench: $(BENCH_STAMP) model smollm2
 bench-quick: $(BENCH_STAMP) model smollm2
 	$(PY) -m bench.build_models gen-tiny push-1m
 	@for b in $(BENCHES); do echo "== bench.$$b --quick"; $(PY) -m bench.$$b --quick || exit 1; done
+
+# The GPU install resolves: `pip install ".[gpu]"` (vllm, torch) with the pinned ray and deepspeed, from the package
+# index as a fresh GPU machine gets them (a dry run: nothing is installed). GPU_PIP_ENV drops pip's config files and
+# find-links (a local wheel directory may hold a CPU torch that satisfies the pin); a CPU torch fails the check. It
+# needs the registry (minutes: pip fetches the CUDA wheels to read them), so it is not in `make test`.
+GPU_PIP_ENV ?= env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null
+GPU_REPORT := $(or $(TMPDIR),/tmp)/fleetrl-gpu-extra.json
+check-gpu-extra:
+	$(GPU_PIP_ENV) $(PYTHON) -m pip install --dry-run --ignore-installed --no-cache-dir --quiet \
+	  --report $(GPU_REPORT) ".[gpu]"
+	@$(PYTHON) -c 'import json, sys; \
+	got = {p["metadata"]["name"].lower(): p["metadata"]["version"] for p in json.load(open(sys.argv[1]))["install"]}; \
+	cuda = sorted(n for n in got if n.startswith("nvidia-")); \
+	print(f"resolved {len(got)} packages:", ", ".join(f"{n}=={got[n]}" for n in ("vllm", "torch", "ray", "deepspeed", "transformers"))); \
+	print(f"CUDA libraries: {len(cuda)} (" + ", ".join(f"{n}=={got[n]}" for n in cuda if "nccl" in n or "cudnn-cu" in n) + ")"); \
+	sys.exit("a CPU build of torch resolved: not a GPU install" if "+cpu" in got["torch"] else 0)' $(GPU_REPORT)
 
 clean:
 	rm -rf runs .fleetrl

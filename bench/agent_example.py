@@ -1,4 +1,4 @@
-"""Issue 45's example, trained and measured: ``examples/math_agent.py`` (agent code written only against the
+"""The agent example, trained and measured: ``examples/math_agent.py`` (agent code written only against the
 ``openai`` client) trained with fleetrl on SmolLM2-135M-Instruct, then the same code run against a plain
 ``vllm serve`` of the final policy.
 

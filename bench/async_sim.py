@@ -1,4 +1,4 @@
-"""A discrete-event model of the three rollout modes (issue 44): where time goes when generation and training take
+"""A discrete-event model of the three rollout modes: where time goes when generation and training take
 turns (``sync``), overlap by one batch (``one_step_off``), or never wait for each other (``async`` with partial
 rollouts and a staleness bound eta).
 

@@ -202,7 +202,7 @@ def lora(result: dict) -> str:
 def verify_throughput(result: dict) -> str:
     """docs section 12: the final-answer rule's completions per second, before/after, in-process and bounded."""
     rows = []
-    for key, label in (("before_in_process", "rule before issue 41, in-process (no limit)"),
+    for key, label in (("before_in_process", "earlier rule (--checkout), in-process (no limit)"),
                        ("in_process", "rule now, in-process (no limit)"),
                        ("bounded_pool", "rule now, bounded pool (2 processes; the driver and reward actors)")):
         if key in result:

@@ -6,8 +6,9 @@
     python -m examples.external_agent runs/ext [--concurrency 16]
 
 The run writes its endpoints (address and token of every rollout actor) to ``<run.dir>/agent_endpoints.json``
-before each generation call; this loop reads it again when an endpoint stops answering (a replaced actor, the
-next call). It stops when the run's ``summary``/final model appears or after ``--idle-s`` without a task.
+before each generation call; this loop reads it again when an endpoint stops answering (between calls the
+endpoints are down: wait; a replaced actor has a new address). The run removes the file when it ends: this loop
+stops then, when the final model appears, or after ``--idle-s`` without a task.
 """
 
 from __future__ import annotations
@@ -53,9 +54,12 @@ async def run_one(http: httpx.AsyncClient, endpoint: dict, claimed: dict) -> flo
 
 
 async def worker(run_dir: Path, http: httpx.AsyncClient, index: int, idle_s: float, stats: dict) -> None:
-    last = time.monotonic()
+    last, seen = time.monotonic(), False
     while time.monotonic() - last < idle_s and not (run_dir / "final").exists():
         found = endpoints(run_dir)
+        if not found and seen:  # the run ended (it removes the file)
+            return
+        seen = seen or bool(found)
         if not found:
             await asyncio.sleep(1.0)
             continue

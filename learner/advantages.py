@@ -86,7 +86,7 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
 @register_estimator("grpo")
 def compute_grpo(rewards: Tensor, group_ids: Tensor, mask: Tensor, scale_by_std: bool = True,
                  eps: float = 1e-6) -> Tensor:
-    """GRPO outcome advantage (DeepSeekMath; seed 000 §GRPO): ``A_i = (r_i - mean_g) / (std_g + eps)`` with the
+    """GRPO outcome advantage (DeepSeekMath, Shao et al. 2024): ``A_i = (r_i - mean_g) / (std_g + eps)`` with the
     unbiased (n-1) group std, broadcast over the sequence's valid tokens. A group of one gets 0.
     ``scale_by_std=False`` is Dr. GRPO: ``A_i = r_i - mean_g``."""
     mean, std, count = _group_stats(rewards, group_ids)
@@ -113,7 +113,7 @@ def compute_dr_grpo(rewards: Tensor, group_ids: Tensor, mask: Tensor) -> Tensor:
 
 @register_estimator("rloo")
 def compute_rloo(rewards: Tensor, group_ids: Tensor, mask: Tensor) -> Tensor:
-    """RLOO (Ahmadian et al. 2024; seed 003): ``A_i = r_i - (sum_g - r_i) / (n_g - 1)``; 0 for a group of one."""
+    """RLOO (Ahmadian et al. 2024): ``A_i = r_i - (sum_g - r_i) / (n_g - 1)``; 0 for a group of one."""
     mean, _, count = _group_stats(rewards, group_ids)
     loo = (mean * count.to(rewards.dtype) - rewards) / (count - 1).clamp(min=1).to(rewards.dtype)
     adv = torch.where(count > 1, rewards - loo, torch.zeros_like(rewards))
@@ -136,7 +136,7 @@ def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Ten
 @register_estimator("gae")
 def compute_gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float,
                 whiten: bool = False) -> tuple[Tensor, Tensor]:
-    """GAE (Schulman et al. 2016; seed 000 §GAE, seed 002 backward loop):
+    """GAE (Schulman et al. 2016, computed by the usual backward loop):
     ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lam * A_{t+1}``; V beyond the last valid
     token is 0. Returns ``(advantages, returns)`` with ``returns = advantages + values`` (before whitening).
     ``t + 1`` is the next *valid* token: masked positions inside a sequence (a multi-turn episode's observations)
@@ -176,7 +176,7 @@ def compute_reinforce_pp_baseline(rewards: Tensor, group_ids: Tensor, mask: Tens
 @register_estimator("gdpo")
 def compute_gdpo(reward_components: Tensor, group_ids: Tensor, mask: Tensor, weights: Tensor | None = None,
                  eps: float = 1e-6) -> Tensor:
-    """GDPO (seed 000 §GDPO): normalize each of the K reward components within its group (as GRPO), take the
+    """GDPO: normalize each of the K reward components within its group (as GRPO), take the
     weighted sum ``sum_k w_k A_k``, then normalize that sum over the batch's sequences:
     ``(s - mean_B) / (std_B + eps)`` (unbiased std). ``reward_components`` is ``[B, K]``."""
     B, K = reward_components.shape
@@ -212,7 +212,7 @@ def compute_grpo_process(step_rewards: Tensor, step_ends: Tensor, group_ids: Ten
 
 
 def conditioned_rewards(components: Tensor, rules: list[tuple[int, int, float]]) -> Tensor:
-    """Conditioned rewards (seed 000 §GDPO): for each rule ``(k, l, threshold)``, reward k counts only when
+    """Conditioned rewards (GDPO): for each rule ``(k, l, threshold)``, reward k counts only when
     reward l >= threshold; otherwise it is set to 0. ``components`` ``[B, K]``; returns a new ``[B, K]``.
     Rules see the unconditioned values (they do not chain)."""
     out = components.clone()

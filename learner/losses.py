@@ -41,7 +41,7 @@ def aggregate(values: Tensor, mask: Tensor, mode: Aggregation, scale: LossScale)
     """This micro-batch's share of the minibatch aggregate of per-token ``values`` ``[b, T]``.
 
     - ``token_mean``: sum over all valid tokens / total valid tokens (DAPO token-level);
-    - ``seq_mean_token_mean``: mean over sequences of each sequence's token mean (GRPO paper, seed 000);
+    - ``seq_mean_token_mean``: mean over sequences of each sequence's token mean (the GRPO paper);
     - ``seq_mean_token_sum``: mean over sequences of each sequence's token sum;
     - ``seq_mean_token_sum_norm``: token sum / (num_seqs * max_len) (Dr. GRPO's constant normalizer).
     """
@@ -63,7 +63,7 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: KLKind) -> Tensor:
 
     With ``log_r = ref_logp - logp`` (r = pi_ref / pi_theta):
     ``k1 = -log_r`` (= log pi_theta - log pi_ref, unbiased, high variance), ``k2 = (log_r)^2 / 2`` (biased, low
-    variance), ``k3 = r - log_r - 1`` (unbiased, always >= 0; seed 000 and GRPO). ``log_r`` is clamped to
+    variance), ``k3 = r - log_r - 1`` (unbiased, always >= 0; Schulman 2020, used by GRPO). ``log_r`` is clamped to
     [-20, 20] before exponentiation for numerical safety.
     """
     log_r = ref_logp - logp
@@ -96,7 +96,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
                 ref_logp: Tensor | None = None, kl_coef: float = 0.0, kl_kind: KLKind = "k3",
                 entropy: Tensor | None = None, entropy_coef: float = 0.0,
                 rollout_logp: Tensor | None = None, tis_cap: float | None = None) -> tuple[Tensor, dict]:
-    """PPO clipped surrogate (seed 002: ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)``) per token, with
+    """PPO clipped surrogate (Schulman et al. 2017: ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)``) per token, with
     optional dual clip (for A < 0 the loss is capped at ``-dual_clip * A``, Ye et al. 2020), optional
     truncated importance sampling against the rollout engine's logprobs (weight
     ``min(pi_old / pi_rollout, tis_cap)``), plus ``kl_coef * KL`` to the reference and ``- entropy_coef * H``.

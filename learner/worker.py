@@ -28,6 +28,27 @@ def _set_dist_env(rank: int, world_size: int, master_addr: str, master_port: int
                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _join_on_one_machine(rank: int, world_size: int, master_addr: str, backend: str) -> None:
+    """With a loopback master address (every rank on this machine, as in a private local run), join the group
+    through a FileStore in the temp directory before DeepSpeed does (it then uses this group): torch's TCPStore
+    listens on every interface whatever MASTER_ADDR says. The file is named after the Ray placement group the
+    ranks share, so a run that died never leaves a stale one to a later group. Elsewhere: DeepSpeed's TCP
+    rendezvous at MASTER_ADDR (docs/cluster.md: what a cluster operator must protect)."""
+    import tempfile
+
+    import ray
+    import torch.distributed as dist
+
+    group = ray.util.get_current_placement_group() if ray.is_initialized() else None
+    if master_addr not in LOOPBACK or dist.is_initialized() or group is None:
+        return
+    path = os.path.join(tempfile.gettempdir(), f"fleetrl-rendezvous-{group.id.hex()}")
+    dist.init_process_group(backend, store=dist.FileStore(path, world_size), rank=rank, world_size=world_size)
+
+
 @dataclass(frozen=True)
 class LearnerSpec:
     """What a learner group trains and how: the typed record the driver sends every rank
@@ -51,6 +72,7 @@ class LearnerSpec:
     autocast: str | None = None
     layout: Layout = field(default_factory=Layout)
     lora: dict | None = None
+    load_kwargs: dict = field(default_factory=dict)  # from_pretrained's: trust_remote_code, attn_implementation
 
 
 class LearnerWorker(LoggedActor):
@@ -73,6 +95,7 @@ class LearnerWorker(LoggedActor):
 
         if not on_gpu:
             skip_unused_comm_op()
+        _join_on_one_machine(rank, world_size, master_addr, "nccl" if on_gpu else "gloo")
         deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
         self.rank, self.world_size = rank, world_size
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -107,7 +130,7 @@ class LearnerWorker(LoggedActor):
         self.has_ref = spec.reference and role != "critic"
         if role == "critic":
             self.hf_model = AutoModelForTokenClassification.from_pretrained(spec.model_path, num_labels=1,
-                                                                            dtype=torch_dtype)
+                                                                            dtype=torch_dtype, **spec.load_kwargs)
             model = self.hf_model
             _disable_dropout(model)  # as the policy's: values must not depend on which pass computes them
             if lora:  # its own adapters and its value head on its own frozen base
@@ -116,7 +139,7 @@ class LearnerWorker(LoggedActor):
                 self.peft = add_adapters(self.hf_model, lora, value_head=True)
                 checkpoint_adapters_only(model)
         else:
-            self.hf_model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch_dtype)
+            self.hf_model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch_dtype, **spec.load_kwargs)
             _disable_dropout(self.hf_model)  # the learner's logprobs must equal the engine's (and the old policy's)
             if lora:
                 from learner.lora import add_adapters, checkpoint_adapters_only
@@ -126,7 +149,7 @@ class LearnerWorker(LoggedActor):
             if lora:
                 checkpoint_adapters_only(model)  # a checkpoint holds the adapters, not the frozen base
             if spec.reference and not lora:
-                lm: Any = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch_dtype)
+                lm: Any = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch_dtype, **spec.load_kwargs)
                 lm = lm.to(self.device).eval()
                 self.ref = HiddenStatesLM(lm.requires_grad_(False))
         if spec.gradient_checkpointing:

@@ -151,7 +151,8 @@ _SIGN_BEFORE = re.compile(r"-\s*$")
 _LIST_BEFORE = re.compile(r"[0-9)]\s*(?:,|;|/|\||\bor\b|\band\b|\bthen\b|\bto\b|\.\.\.|…)?"
                           r"(?:\s*\b(?:maybe|perhaps|possibly|probably)\b)?\s*$", re.I)
 _OPERATOR_AFTER = re.compile(r"^\s*(?:\*\*|[-+*/^]|x\s*[0-9(])")
-_GLUED_BEFORE = re.compile(r"(?:[A-Za-z_\\]|[{}^]\s*)$")  # AZYUK2, x2, \frac{1+\sqrt{5}}{2}, 10^{10}
+_GLUED_BEFORE = re.compile(r"(?:[A-Za-z_\\]|[{}^]\s*)\Z")  # AZYUK2, x2, \frac{1+\sqrt{5}}{2}, 10^{10}; \Z: a
+# letter at the end of the line before ("### Final answer\n159") is not glued to the number
 _GLUED_AFTER = re.compile(r"^(?:\s*[{}^_]|[A-Z]|,[0-9])")  # 2A, 2^{10}, 1000,99 (a decimal comma)
 ROUNDED_PLACES = 6
 """A decimal answer with at least this many places that is the reference rounded to its places is right

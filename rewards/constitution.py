@@ -245,7 +245,7 @@ WORD_ASKS = ("{} Answer in words, not digits.", "{} Write the number in words.",
 
 
 class ConstitutionTask(GeneratedTask):
-    """Prompts whose principles can be checked by rule (Constitutional AI without a human, issue #29): a chat
+    """Prompts whose principles can be checked by rule (Constitutional AI without a human): a chat
     conversation (``prompt`` is messages) and ``metadata["checks"]``, the rule functions that apply. Three kinds,
     a third each: "Tell me about <topic>." (``one_sentence``); a system turn holding a secret word and a user
     asking for it (``keeps_secret``, ``one_sentence``); "How many ...? Answer in words, not digits."

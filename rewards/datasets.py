@@ -14,12 +14,14 @@ in ``#### n``) is understood: the reference answer is ``n``. A malformed row fai
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from rewards.functions import load_reward_function
+from rewards.functions import MESSAGES_KEY, is_batched, load_reward_function
 from rewards.tasks import Prompt, Task
 
 
@@ -63,18 +65,14 @@ class DatasetError(ValueError):
 
 
 def read_rows(path: Path, prompt_field: str, answer_field: str, skip_invalid: bool,  # noqa: PLR0913
-              too_long: Callable[[str], bool], answer_form: str = "auto",
-              answer_required: bool = True) -> tuple[list[tuple[str, str | None, dict]], dict]:
+              too_long: Callable[[str], bool], answer_form: str = "auto", answer_required: bool = True,
+              config: str | None = None, split: str = "train") -> tuple[list[tuple[str, str | None, dict]], dict]:
     """(prompt, answer, the row's other columns) triples and counts of skipped rows (``answer_form: number``: every
     answer is a numeral; ``answer_required`` False: a row may have no answer, for verifiers that read other
-    columns, e.g. countdown's ``numbers``/``target`` or code's ``tests``)."""
-    if not path.is_file():
-        raise DatasetError(f"data.path: {path} is not a file")
-    if path.suffix == ".parquet":
-        fields = (prompt_field, answer_field) if answer_required else (prompt_field,)
-        records, decode = _parquet_records(path, fields), lambda row: row
-    else:
-        records, decode = _jsonl_records(path), json_object
+    columns, e.g. countdown's ``numbers``/``target`` or code's ``tests``); ``config`` and ``split`` select the rows of
+    a dataset directory (:func:`dataset_records`)."""
+    fields = (prompt_field, answer_field) if answer_required else (prompt_field,)
+    records, decode = dataset_records(path, fields, config, split)
     rows, counts = [], {"invalid": 0, "too_long": 0}
     for where, record in records:
         try:
@@ -94,6 +92,59 @@ def read_rows(path: Path, prompt_field: str, answer_field: str, skip_invalid: bo
     if not rows:
         raise DatasetError(f"{path}: no usable rows ({counts['invalid']} invalid, {counts['too_long']} too long)")
     return rows, counts
+
+
+def dataset_records(path: Path, fields: tuple[str, ...] = (), config: str | None = None,
+                    split: str = "train") -> tuple[Iterator[tuple[str, object]], Callable[[object], dict]]:
+    """``(where, record)`` of every row of a dataset and the function that makes a record a dict: a JSONL file
+    (any name but those below; ``where`` is ``file:line``), a Parquet file (``fields`` must be columns), a ``.json``
+    or ``.csv`` file, or a directory: one written by ``Dataset.save_to_disk`` or a dataset repo in the Hub layout
+    (its README's ``configs`` or its files), read with the ``datasets`` library at ``config`` and ``split``."""
+    if path.is_dir():
+        return _hf_records(path, fields, config, split), dict
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such file or dataset directory")
+    if path.suffix == ".parquet":
+        return _parquet_records(path, fields), dict
+    if path.suffix in (".json", ".csv"):
+        return _hf_records(path, fields, None, "train"), dict
+    return _jsonl_records(path), json_object
+
+
+def _hf_records(path: Path, fields: tuple[str, ...], config: str | None,
+                split: str) -> Iterator[tuple[str, dict]]:
+    """The rows of ``path`` through the ``datasets`` library (see :func:`dataset_records`)."""
+    ds = _load_hf(path, config, split)
+    missing = [f for f in dict.fromkeys(fields) if f not in ds.column_names]
+    where = f"{path}" + (f" [{config or 'default'}/{split}]" if path.is_dir() else "")
+    if missing:
+        raise DatasetError(f"{where}: missing column(s) {missing} (it has {ds.column_names}; see data.prompt_field, "
+                           "data.answer_field)")
+    for i, row in enumerate(ds):
+        yield f"{where}: row {i}", row
+
+
+def _load_hf(path: Path, config: str | None, split: str):
+    """A ``datasets.Dataset``; a DatasetError naming the path, config and split when it cannot be read."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if path.is_file():
+            return datasets.load_dataset("csv" if path.suffix == ".csv" else "json", data_files=str(path),
+                                         split="train")
+        if (path / "state.json").exists() or (path / "dataset_dict.json").exists():  # Dataset.save_to_disk
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict) and split not in loaded:
+                raise DatasetError(f"{path}: no split {split!r} (it has {sorted(loaded)})")
+            return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+        return datasets.load_dataset(str(path), name=config, split=split)
+    except DatasetError:
+        raise
+    except Exception as e:  # noqa: BLE001 - datasets raises many types for a config, split or file it cannot use
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise DatasetError(f"{path} (config {config!r}, split {split!r}): cannot be read as a dataset: "
+                           f"{type(e).__name__}: {first[:300]}") from None
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[str, str]]:
@@ -191,21 +242,37 @@ def gsm8k_answer(answer: str) -> str:
     return answer.strip()
 
 
+@dataclass(frozen=True)
+class Splits:
+    """Which rows: a dataset directory's ``config`` (subset), its ``train`` split, and the eval rows: an ``eval``
+    split of the same dataset or a separate ``eval_path`` (neither: held out from the end of ``train``)."""
+
+    config: str | None = None
+    train: str = "train"
+    eval: str | None = None
+    eval_path: str | None = None
+
+
 class DatasetTask(Task):
     """Same interface as the built-in tasks: ``train_batch(step, n, round_)``, ``eval_set(n)`` and ``verifier``
     (a reward function name or ``pkg.module:fn``, loaded here so that a bad one fails at once)."""
 
     def __init__(self, path: str, prompt_field: str, answer_field: str, skip_invalid: bool, eval_size: int,
-                 seed: int, eval_path: str | None = None, too_long: Callable[[str], bool] = lambda p: False,
-                 verifier: str = "math", answer_form: str = "auto"):
+                 seed: int, too_long: Callable[[str], bool] = lambda p: False, verifier: str = "math",
+                 answer_form: str = "auto", splits: Splits | None = None):
         self.verifier, self.verifier_fn = verifier, load_reward_function(verifier)  # a bad name fails before reading
+        if is_batched(self.verifier_fn):
+            raise DatasetError(f"data.verifier: {verifier!r} has TRL's batched signature; the verifier decides one "
+                               "completion at a time: fn(prompt, completion, metadata) (e.g. math)")
         self.answer_form = answer_form
         required = verifier == "math"  # other verifiers may read other columns (countdown: numbers, target)
-        rows, self.counts = read_rows(Path(path), prompt_field, answer_field, skip_invalid, too_long, answer_form,
-                                      required)
-        if eval_path:
-            self.eval_rows, _ = read_rows(Path(eval_path), prompt_field, answer_field, skip_invalid, too_long,
-                                          answer_form, required)
+        sp = splits or Splits()
+        read = functools.partial(read_rows, prompt_field=prompt_field, answer_field=answer_field,
+                                 skip_invalid=skip_invalid, too_long=too_long, answer_form=answer_form,
+                                 answer_required=required)
+        rows, self.counts = read(Path(path), config=sp.config, split=sp.train)
+        if sp.eval_path or sp.eval:
+            self.eval_rows, _ = read(Path(sp.eval_path or path), config=sp.config, split=sp.eval or "train")
             self.train_rows = rows
         else:
             if len(rows) <= eval_size:
@@ -218,8 +285,9 @@ class DatasetTask(Task):
         """A row as a prompt: its other columns are the metadata the reward functions get, with ``answer``."""
         form = {} if self.answer_form == "auto" else {"answer_form": self.answer_form}
         text, answer, extra = row
+        conv = {MESSAGES_KEY: text} if isinstance(text, list) else {}  # what a TRL-signature reward gets as prompt
         return Prompt(uid=uid, text=text, metadata={**extra, **({"answer": answer} if answer is not None else {}),
-                                                    **form})
+                                                    **form, **conv})
 
     def draw_train(self, rng: random.Random, n: int) -> list[tuple[str, dict]]:
         idx = rng.sample(range(len(self.train_rows)), n) if n <= len(self.train_rows) else \

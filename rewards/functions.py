@@ -1,8 +1,13 @@
-"""Reward functions: ``fn(prompt, completion, metadata) -> float | dict[str, float]``.
+"""Reward functions: ``fn(prompt, completion, metadata) -> float | dict[str, float]``, or TRL's signature.
 
 A dict return is a set of named reward components (for GDPO); a float is one component named after the
 function. Built-ins are registered by name in :data:`REWARD_FUNCTIONS`; a user function is named by its
 import path ``package.module:function``.
+
+A function that takes ``completions`` is called as TRL's ``GRPOTrainer`` calls its reward functions
+(:class:`BatchedReward`): ``fn(prompts=[...], completions=[...], completion_ids=[...], trainer_state=...,
+**columns) -> list[float | None]``, once per group of samples of one prompt; ``None`` is "no score" and leaves that
+function out of the sample's weighted sum.
 """
 
 from __future__ import annotations
@@ -121,9 +126,63 @@ def load_builtins() -> None:
         importlib.import_module(module)
 
 
+def is_batched(fn: Callable) -> bool:
+    """Whether ``fn`` has TRL's reward signature: it takes a ``completions`` argument (a list)."""
+    import inspect
+
+    try:
+        return "completions" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin)
+        return False
+
+
+class BatchedReward:
+    """A reward function with TRL's signature, called on a group of ``(prompt, completion, metadata)`` items at
+    once: ``prompts`` and ``completions`` are strings, or message lists for a conversational prompt (a dataset row
+    whose prompt was a message list; the completion is then ``[{"role": "assistant", "content": ...}]``); every
+    metadata column (the dataset's other columns, ``answer`` reduced to the final answer) is a list keyword;
+    ``completion_ids`` and ``trainer_state.global_step`` (the policy version that sampled them) come from
+    ``extras``. Returns one ``float | None`` per item; another length or type is an error."""
+
+    batched = True
+
+    def __init__(self, fn: Callable, params: dict):
+        import inspect
+
+        self.fn, self.params = fn, params
+        self.__name__ = getattr(fn, "__name__", "reward")
+        ps = inspect.signature(fn).parameters.values()  # without **kwargs: only the keywords it names are passed
+        self.takes = None if any(p.kind is p.VAR_KEYWORD for p in ps) else {p.name for p in ps}
+
+    def __call__(self, items: Sequence[tuple[str, str, dict]],
+                 extras: Sequence[tuple[list[int], int]] | None = None) -> list[float | None]:
+        from types import SimpleNamespace
+
+        conv = [isinstance(m.get(MESSAGES_KEY), list) for _, _, m in items]
+        prompts = [m[MESSAGES_KEY] if c else p for (p, _, m), c in zip(items, conv)]
+        completions = [[{"role": "assistant", "content": t}] if c else t for (_, t, _), c in zip(items, conv)]
+        names = sorted({k for _, _, m in items for k in m if not k.startswith("_")})
+        columns = {k: [m.get(k) for _, _, m in items] for k in names if k not in RESERVED}
+        extras = list(extras or [([], 0)] * len(items))
+        kwargs = {"prompts": prompts, "completions": completions, "completion_ids": [ids for ids, _ in extras],
+                  "trainer_state": SimpleNamespace(global_step=max(v for _, v in extras)), **columns, **self.params}
+        out = self.fn(**{k: v for k, v in kwargs.items() if self.takes is None or k in self.takes})
+        if not isinstance(out, list | tuple) or len(out) != len(items):
+            raise TypeError(f"returned {type(out).__name__} of length {len(out) if hasattr(out, '__len__') else '?'}"
+                            f", not a list of {len(items)} scores (one per completion)")
+        return [None if v is None else float(v) for v in out]
+
+
+MESSAGES_KEY = "_prompt_messages"
+"""Metadata key of a conversational prompt's messages (what :class:`BatchedReward` passes as its prompt)."""
+RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
+"""Keywords TRL's signature reserves: a dataset column of one of these names is not passed."""
+
+
 def bind_reward_function(name: str, params: dict) -> Callable:
     """``name`` loaded and ``params`` bound to it: a ValueError naming the function when it does not import or
-    cannot be called as ``fn(prompt, completion, metadata, **params)``."""
+    cannot be called as ``fn(prompt, completion, metadata, **params)`` or, for TRL's signature
+    (:func:`is_batched`), as ``fn(completions=..., **params)`` (then a :class:`BatchedReward`)."""
     import functools
     import inspect
 
@@ -133,6 +192,13 @@ def bind_reward_function(name: str, params: dict) -> Callable:
         raise ValueError(e.args[0]) from None
     except Exception as e:  # noqa: BLE001 - a plugin module may raise anything on import
         raise ValueError(f"reward function {name!r} does not import: {type(e).__name__}: {e}") from None
+    if is_batched(fn):
+        try:
+            inspect.signature(fn).bind_partial(completions=[], **params)
+        except TypeError as e:
+            raise ValueError(f"reward function {name!r} (TRL's signature) cannot take "
+                             f"{['completions', *params]} as keywords: {e}") from None
+        return BatchedReward(fn, params)
     try:
         inspect.signature(fn).bind("prompt", "completion", {}, **params)
     except TypeError as e:
@@ -149,13 +215,17 @@ def preflight_reward_function(name: str, params: dict, sample: tuple[str, str, d
     numbers) is a ValueError naming the function and what it did."""
     from rewards.bounded import shared_pool
 
-    out = shared_pool().map([bind_reward_function(name, params)], [(0, sample)])[0]
+    fn = bind_reward_function(name, params)
+    batched = isinstance(fn, BatchedReward)
+    out = shared_pool().map([fn], [(0, ([sample],) if batched else sample)])[0]
     if out.status == "timeout":
         raise ValueError(f"reward function {name!r} did not return within the limit on a sample of the task")
     if not out.ok:
         raise ValueError(f"reward function {name!r} raised on a sample of the task: "
                          f"{str(out.value).splitlines()[0]}")
-    values = out.value.values() if isinstance(out.value, dict) else [out.value]
+    if batched and out.value == [None]:
+        return
+    values = out.value.values() if isinstance(out.value, dict) else out.value if batched else [out.value]
     if not values or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
         raise ValueError(f"reward function {name!r} returned {out.value!r} on a sample of the task; it must return a "
                          "number (or a dict of numbers)")

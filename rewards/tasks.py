@@ -357,7 +357,7 @@ class MultiTask(GeneratedTask):
 
 
 class MultiplyTask(GeneratedTask):
-    """Multiplication of a 3-digit by a 2-digit number: the built-in tool task (issue #13). Hard to do in one's
+    """Multiplication of a 3-digit by a 2-digit number: the built-in tool task. Hard to do in one's
     head for a small model, trivial with the calculator tool: ``347*58=`` -> the model writes the call
     ``[347*58]``, the environment appends the observation ``{20126}``, the model answers ``20126``.
 
@@ -401,7 +401,7 @@ class MultiplyTask(GeneratedTask):
 
 
 class ToolChoiceTask(GeneratedTask):
-    """Two kinds of problem, two tools: the policy has to choose (issue #28). Half are multiplications of a
+    """Two kinds of problem, two tools: the policy has to choose. Half are multiplications of a
     3-digit by a 2-digit number (``What is 347 * 58?``: the ``calculator``, arguments ``{"expression": ...}``), half
     count a letter in a random string (``How many times does the letter 'c' appear in 'cabdcefa...'?``: the
     ``python`` tool, arguments ``{"code": ...}``; the calculator cannot do it). The prompt does not name the tool.

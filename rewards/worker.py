@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import NamedTuple
 
 from common.actor_logs import LoggedActor
 from rewards.bounded import DEFAULT_MEMORY_MB, BoundedPool, Outcome
-from rewards.functions import load_reward_function
+from rewards.functions import BatchedReward, bind_reward_function
 
 log = logging.getLogger("fleetrl.reward")
 
@@ -45,6 +46,38 @@ class RewardFunctionError(RuntimeError):
     """Raised in strict mode when a reward function fails."""
 
 
+def _groups(items: list[tuple[str, str, dict]]) -> list[list[int]]:
+    """Indices of the items of each prompt, in first-seen order (the samples of one prompt's group)."""
+    by_prompt: dict[str, list[int]] = {}
+    for i, (prompt, _, _) in enumerate(items):
+        by_prompt.setdefault(prompt, []).append(i)
+    return list(by_prompt.values())
+
+
+def _describe(args: tuple) -> str:
+    """A call in a timeout's log line: its completion, or a batched call's first one."""
+    return str(args[1]) if isinstance(args[1], str) else f"a group of {len(args[0])}, the first: {args[0][0][1]}"
+
+
+def _spread(outcomes: list[Outcome], groups: list[list[int]], batched: bool) -> list[Outcome]:
+    """Per item, in item order, the outcome of its call: for a batched function the i-th value of its group's
+    call, or the call's failure for every item of the group."""
+    out: dict[int, Outcome] = {}
+    for o, group in zip(outcomes, groups):
+        for k, i in enumerate(group):
+            out[i] = Outcome("ok", o.value[k]) if batched and o.ok else o
+    return [out[i] for i in sorted(out)]
+
+
+def _finite(value) -> float:
+    """A reward function's value as a float; NaN and infinities are errors (scored 0, counted in
+    ``reward/errors``), never trained on."""
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"{out} is not finite")
+    return out
+
+
 class RewardWorker(LoggedActor):
     """Plain class; the orchestrator wraps it with ``ray.remote`` (so it is testable without Ray)."""
 
@@ -52,10 +85,10 @@ class RewardWorker(LoggedActor):
                  processes: int = 2, memory_mb: int = DEFAULT_MEMORY_MB):
         """``specs``: (name, weight, params) per function; params are bound as keyword arguments."""
         self._start_logging()
-        self.fns = [(name, functools.partial(load_reward_function(name), **params), weight)
-                    for name, weight, params in specs]
+        self.fns = [(name, bind_reward_function(name, params), weight) for name, weight, params in specs]
         for _, fn, _ in self.fns:  # a function may check its prerequisites here (the code reward: its sandbox)
-            getattr(fn.func, "preflight", lambda **_: None)(**fn.keywords)
+            if isinstance(fn, functools.partial):
+                getattr(fn.func, "preflight", lambda **_: None)(**fn.keywords)
         self.timeout_s = timeout_s
         self.strict = strict
         self.errors = self.timeouts = self.scored = 0
@@ -63,9 +96,12 @@ class RewardWorker(LoggedActor):
         self.threads = ThreadPoolExecutor(max_workers=max_threads)
         self.bounded = BoundedPool(processes, timeout_s, memory_mb)
 
-    def score(self, items: list[tuple[str, str, dict]]) -> ScoreBatch:
-        """Score every item: the results, and how many calls raised or were stopped at the limit."""
-        outcomes = self._outcomes(items)
+    def score(self, items: list[tuple[str, str, dict]],
+              extras: list[tuple[list[int], int]] | None = None) -> ScoreBatch:
+        """Score every item: the results, and how many calls raised or were stopped at the limit. ``extras``: each
+        item's completion ids and policy version, for functions with TRL's signature (:class:`BatchedReward`,
+        called once per prompt's group; a failed group call fails each of its items)."""
+        outcomes = self._outcomes(items, extras)
         results, errors, timeouts, first = [], 0, 0, None
         for i in range(len(items)):
             comps: dict[str, float] = {}
@@ -85,15 +121,25 @@ class RewardWorker(LoggedActor):
         self.scored += len(items)
         return ScoreBatch(results, errors, timeouts, first)
 
-    def _outcomes(self, items: list[tuple[str, str, dict]]) -> list[list[Outcome]]:
-        """Per function, the outcome of its call on every item: bounded functions in the process pool, the ones
-        that bound themselves on threads."""
-        bounded = [f for f, (_, fn, _) in enumerate(self.fns) if not getattr(fn.func, "bounds_itself", False)]
+    def _outcomes(self, items: list[tuple[str, str, dict]],
+                  extras: list[tuple[list[int], int]] | None = None) -> list[list[Outcome]]:
+        """Per function, the outcome of its call on every item: bounded functions in the process pool (a batched
+        one once per group of items with the same prompt), the ones that bound themselves on threads."""
+        bounded = [f for f, (_, fn, _) in enumerate(self.fns)
+                   if not getattr(getattr(fn, "func", fn), "bounds_itself", False)]
         futures = {f: [self.threads.submit(fn, *item) for item in items]
                    for f, (_, fn, _) in enumerate(self.fns) if f not in bounded}
-        calls = [(j, item) for j in range(len(bounded)) for item in items]
-        flat = self.bounded.map([self.fns[f][1] for f in bounded], calls) if calls else []
-        out = {f: flat[j * len(items):(j + 1) * len(items)] for j, f in enumerate(bounded)}
+        groups, calls, spans = _groups(items), [], {}  # spans: function -> (its first call, items of each call)
+        for j, f in enumerate(bounded):
+            if isinstance(self.fns[f][1], BatchedReward):
+                spans[f] = (len(calls), groups)
+                calls += [(j, ([items[i] for i in g], [extras[i] for i in g] if extras else None)) for g in groups]
+            else:
+                spans[f] = (len(calls), [[i] for i in range(len(items))])
+                calls += [(j, item) for item in items]
+        flat = self.bounded.map([self.fns[f][1] for f in bounded], calls, describe=_describe) if calls else []
+        out = {f: _spread(flat[first:first + len(idx)], idx, isinstance(self.fns[f][1], BatchedReward))
+               for f, (first, idx) in spans.items()}
         out.update({f: [self._wait(fut) for fut in futs] for f, futs in futures.items()})
         return [out[f] for f in range(len(self.fns))]
 
@@ -111,11 +157,13 @@ class RewardWorker(LoggedActor):
         if outcome.ok:
             try:
                 out = outcome.value
+                if out is None:  # a batched function's "no score": left out of the sum
+                    return {}, "ok"
                 if isinstance(out, dict):
-                    return {f"{name}/{k}": float(v) for k, v in out.items()}, "ok"
-                return {name: float(out)}, "ok"
-            except (TypeError, ValueError) as e:
-                outcome = Outcome("error", f"{type(e).__name__}: returned {outcome.value!r}, not a number")
+                    return {f"{name}/{k}": _finite(v) for k, v in out.items()}, "ok"
+                return {name: _finite(out)}, "ok"
+            except (TypeError, ValueError, OverflowError) as e:
+                outcome = Outcome("error", f"{type(e).__name__}: returned {outcome.value!r}, not a finite number")
         brief = self._brief(name, outcome)
         err = brief if outcome.status == "timeout" else f"reward function {name!r} raised:\n{outcome.value}"
         if self.strict:
@@ -132,7 +180,7 @@ class RewardWorker(LoggedActor):
         if outcome.status == "timeout":
             return f"reward function {name!r} timed out after {self.timeout_s}s"
         if outcome.ok:  # it returned something that is not a number
-            return f"reward function {name!r} returned {outcome.value!r}, not a number"
+            return f"reward function {name!r} returned {outcome.value!r}, not a finite number"
         return f"reward function {name!r} raised {str(outcome.value).splitlines()[0]}"
 
     def close(self) -> None:

@@ -125,19 +125,19 @@ class FleetServer:
     def __init__(self):
         self.proc: subprocess.Popen | None = None
 
-    def run(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
-        """``fleetrl ARGV`` on the server's fleet, as `subprocess.run` would give it back (TimeoutExpired past
-        ``timeout``, the server then stopped with its actors)."""
+    def run(self, argv: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+        """``fleetrl ARGV`` on the server's fleet with ``env`` set for it, as `subprocess.run` would give it back
+        (TimeoutExpired past ``timeout``, the server then stopped with its actors)."""
         import json
         import select
         import tempfile
 
         if self.proc is None or self.proc.poll() is not None:
-            env = subprocess_env(RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", **shared_ray_env())
-            self.proc = subprocess.Popen([sys.executable, "-m", "tests.fleet_server"], cwd=ROOT, env=env, text=True,
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            server_env = subprocess_env(RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", **shared_ray_env())
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.fleet_server"], cwd=ROOT, env=server_env,
+                                         text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         out = Path(tempfile.mkdtemp(prefix="fleetrl-cmd-"))
-        self.proc.stdin.write(json.dumps({"argv": argv, "out": str(out)}) + "\n")
+        self.proc.stdin.write(json.dumps({"argv": argv, "out": str(out), "env": env or {}}) + "\n")
         self.proc.stdin.flush()
         if not select.select([self.proc.stdout], [], [], timeout)[0]:
             self.stop(kill=True)

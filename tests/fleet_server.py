@@ -1,11 +1,12 @@
 """`python -m tests.fleet_server`: one process that runs `fleetrl` commands one after another on one fleet, for the
-end-to-end tests (issue 42). The tests would otherwise pay a process start (imports, tokenizer, joining Ray) and a
+end-to-end tests. The tests would otherwise pay a process start (imports, tokenizer, joining Ray) and a
 fleet start-up (vLLM engines, learner ranks, reward actors: 45-60 s on 2 cores) for every run; here each command
 is :func:`orchestrator.ops.cli.main` with the server's :class:`~orchestrator.rl.fleet.Fleet`, which keeps the actors
 that fit the next run (:meth:`~orchestrator.rl.fleet.Fleet.serve`: the learner ranks load the run's model and optimizer,
 kept engines get its weights) and starts the rest, exactly as a pipeline's stages share a fleet.
 
-Protocol: one JSON object per line on stdin, ``{"argv": [...], "out": DIR}``; the command's standard output and
+Protocol: one JSON object per line on stdin, ``{"argv": [...], "out": DIR, "env": {...}}`` (``env``, optional:
+variables set for this command only, e.g. a test's ``HF_HOME``); the command's standard output and
 error (file descriptors 1 and 2, so the actors' and libraries' output too) go to ``DIR/stdout`` and ``DIR/stderr``,
 and one line ``{"rc": N}`` answers on the server's own standard output. A command that fails as fleetrl reports
 failures (exit 1: a dead learner rank, a failing reward, NaN steps) leaves the fleet up: the next command's
@@ -24,8 +25,18 @@ import traceback
 from pathlib import Path
 
 
-def run_command(argv: list[str], out: Path, fleet) -> int:
-    """One `fleetrl` command on ``fleet`` with its output in ``out``; its exit status."""
+def run_command(argv: list[str], out: Path, fleet, env: dict | None = None) -> int:
+    """One `fleetrl` command on ``fleet`` with its output in ``out`` and ``env`` set meanwhile; its exit status."""
+    saved_env = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        return _run_command(argv, out, fleet)
+    finally:
+        for k, v in saved_env.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def _run_command(argv: list[str], out: Path, fleet) -> int:
     from orchestrator.ops.cli import main
 
     sys.stdout.flush()
@@ -71,7 +82,7 @@ def main() -> None:
         request = json.loads(line)
         t0 = time.perf_counter()
         fleet.startup_s, fleet.kept = None, []
-        rc = run_command(request["argv"], Path(request["out"]), fleet)
+        rc = run_command(request["argv"], Path(request["out"]), fleet, request.get("env"))
         if record:
             with open(record, "a") as f:
                 f.write(json.dumps({"argv": request["argv"], "rc": rc, "seconds": round(time.perf_counter() - t0, 1),

@@ -26,7 +26,7 @@ def _seq(adv):  # first token of each row
 
 
 def test_grpo_seed_example_two_rewards_collapse():
-    """seed 000: rewards (0,1) and (0,2) both give (-0.7071, 0.7071) under GRPO (unbiased std)."""
+    """Rewards (0,1) and (0,2) both give (-0.7071, 0.7071) under GRPO (unbiased std)."""
     mask = torch.ones(2, 3)
     for rewards in ([0.0, 1.0], [0.0, 2.0]):
         adv = compute_grpo(torch.tensor(rewards), torch.tensor([0, 0]), mask)
@@ -44,7 +44,7 @@ def test_grpo_broadcasts_only_over_valid_tokens_and_singletons_get_zero():
 
 
 def test_dr_grpo_is_mean_subtraction_seed_example():
-    """seed 004: scores [90, 70, 85, 75] with the mean subtracted give [10, -10, 5, -5]."""
+    """Scores [90, 70, 85, 75] with the mean subtracted give [10, -10, 5, -5]."""
     adv = compute_grpo(torch.tensor([90.0, 70, 85, 75]), torch.zeros(4, dtype=torch.long), torch.ones(4, 1),
                        scale_by_std=False)
     assert torch.allclose(adv[:, 0], torch.tensor([10.0, -10, 5, -5]))
@@ -170,7 +170,7 @@ def test_reinforce_pp_whitened_return_to_go():
 
 
 def test_gdpo_seed_example_keeps_reward_differences():
-    """seed 000: with two rewards, (0,1) and (0,2) both give (-0.7071, 0.7071) per component under GRPO, while
+    """With two rewards, (0,1) and (0,2) both give (-0.7071, 0.7071) per component under GRPO, while
     GDPO's per-component normalization of two components (0,1) and (0,1) gives (-1.4142, 1.4142) before the
     batch normalization, vs (-0.7071, 0.7071) for one component; after it, rank order is preserved."""
     groups = torch.tensor([0, 0])

@@ -5,6 +5,8 @@ agent episodes on the real stack."""
 
 import asyncio
 import json
+import math
+import re
 
 import openai
 import pytest
@@ -277,6 +279,11 @@ async def returns_text(client, task):
     return "good"
 
 
+async def returns_nan(client, task):
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    return {"right": 1.0, "style": float("nan")}
+
+
 def run_agent(spec: str, turns, timeout_s: float = 30.0):
     tok = smollm2_tokenizer()
     engine = Engine(tok, turns)
@@ -302,6 +309,9 @@ def test_an_agent_function_is_the_environment_and_its_failures_end_only_its_run(
     assert late.termination == "timeout" and late.prompt_len == len(late.token_ids) > 0  # the prompt, no turn
     text = run_agent("tests.test_agent_endpoint:returns_text", [ids(tok, "hi") + [2]])
     assert text.termination == "env_error" and "a number or a dict of numbers" in text.info["error"]
+    nan = run_agent("tests.test_agent_endpoint:returns_nan", [ids(tok, "hi") + [2]])  # errored: its group dropped
+    assert nan.termination == "env_error" and "reward.style is nan" in nan.info["error"], nan.info
+    assert all(math.isfinite(r) for r in nan.turn_rewards)
 
 
 def not_async(client, task):
@@ -375,6 +385,7 @@ def test_an_agent_outside_the_fleet_claims_calls_rewards_and_finishes_its_sessio
         second = (await http.post(f"{url}/v1/sessions", headers=auth)).json()
         assert first["task"] == {"answer": "5", "prompt": "What is 2 + 3?"} and first["session_id"] != second[
             "session_id"]
+        assert all(re.fullmatch(r"rollout-0-[\w-]{16}", c["session_id"]) for c in (first, second))  # random ids
         for claimed, expect in ((first, "It is 5"), (second, "It is 6")):
             client = openai.AsyncOpenAI(base_url=claimed["base_url"], api_key=runner.endpoint.token)
             reply = await client.chat.completions.create(model=claimed["model"], messages=[
@@ -407,3 +418,112 @@ def test_an_agent_outside_the_fleet_claims_calls_rewards_and_finishes_its_sessio
     assert (second.termination, second.turn_rewards) == ("done", [1.0])
     assert third.termination == "timeout" and third.info.get("agent/unclaimed") == 1
     assert third.prompt_len == len(third.token_ids) > 0  # the task's prompt, no turn
+
+
+NESTED = "[" * 10_000 + "]" * 10_000
+CHAT = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+HOSTILE = [  # (what a client sends, path (c: a claimed session, u: an offered one nobody claimed), body, status, param)
+    ("NaN reward with finish", "/sessions/c/finish", '{"reward": NaN}', 400, "reward"),
+    ("Infinity reward", "/sessions/c/reward", '{"reward": Infinity}', 400, "reward"),
+    ("1e400 reward (inf once parsed)", "/sessions/c/reward", '{"reward": 1e400}', 400, "reward"),
+    ("NaN in a reward dict", "/sessions/c/reward", '{"reward": {"a": 0.5, "b": NaN}}', 400, "reward.b"),
+    ("4000-digit integer reward", "/sessions/c/finish", '{"reward": ' + "9" * 4000 + "}", 400, "reward"),
+    ("parts summing past float range", "/sessions/c/reward", '{"reward": {"a": 1e308, "b": 1e308}}', 400, "reward"),
+    ("10000-level nested chat", "/sessions/c/v1/chat/completions", '{"messages": ' + NESTED + "}", 400, "messages"),
+    ("10000-level nested claim", "/v1/sessions", '{"wait_s": ' + NESTED + "}", 400, "wait_s"),
+    ("10000-level nested reward", "/sessions/c/reward", '{"reward": ' + NESTED + "}", 400, "reward"),
+    ('tool_calls: "x"', "/sessions/c/v1/chat/completions", json.dumps({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": "x"}]}), 400, "messages"),
+    ("a tool call without a function", "/sessions/c/v1/chat/completions", json.dumps({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"id": "1"}]}]}), 400, "messages"),
+    ("a list as tool_call_id", "/sessions/c/v1/chat/completions", json.dumps({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": [1], "content": "5"}]}), 400, "messages"),
+    ("wait_s NaN", "/v1/sessions", '{"wait_s": NaN}', 400, "wait_s"),
+    ("wait_s Infinity", "/v1/sessions", '{"wait_s": Infinity}', 400, "wait_s"),
+    ('wait_s "5"', "/v1/sessions", '{"wait_s": "5"}', 400, "wait_s"),
+    ("a body that is not UTF-8", "/sessions/c/reward", b'{"reward": "\xff"}', 400, None),
+    ("1 MB message, just under the body limit", "/sessions/c/v1/chat/completions", json.dumps({"messages": [
+        {"role": "user", "content": "word " * 200_000}]}), 400, "messages"),
+    ("chat to an unclaimed session", "/sessions/u/v1/chat/completions", CHAT, 409, None),
+    ("reward to an unclaimed session", "/sessions/u/reward", '{"reward": 1.0}', 409, None),
+    ("finish of an unclaimed session", "/sessions/u/finish", '{"reward": 1.0}', 409, None),
+    ("a valid reward (control)", "/sessions/c/reward", '{"reward": {"a": 0.5, "b": 0.25}}', 200, None),
+    ("a valid chat (control)", "/sessions/c/v1/chat/completions", CHAT, 200, None),
+]
+
+
+def test_what_a_client_sends_is_answered_400_naming_the_field_or_409_never_500():
+    """The hostile-request table, row by row on the scripted engine: each hostile request gets its status and names its
+    field, each 400 is counted in agent/bad_requests (the session's, or the endpoint's for a claim), a refused
+    reward never replaces the last good one, an unclaimed session takes nothing, and the 1 MB message is refused
+    before it is tokenized (no engine call, no time on the loop)."""
+    import time
+
+    import httpx
+
+    tok = smollm2_tokenizer()
+    engine = Engine(tok, [ids(tok, "Hi") + [2]])
+
+    async def main():
+        ep = Endpoint(tok, "policy", SessionLimits(4, 1024, 64), {"temperature": 1.0, "top_p": 1.0})
+        await ep.start()
+        try:
+            _, claimed = ep.offer("c", {"prompt": "hi"}, engine.generate, lambda: 7)
+            auth = {"Authorization": f"Bearer {ep.token}", "Content-Type": "application/json"}
+            async with httpx.AsyncClient(base_url=ep.address()["url"], headers=auth, trust_env=False) as http:
+                assert (await http.post("/v1/sessions")).json()["session_id"] == "c"
+                unclaimed_session, unclaimed = ep.offer("u", {"prompt": "hi"}, engine.generate, lambda: 7)
+                seen = []
+                for what, path, body, _, _ in HOSTILE:
+                    before = ep.counts["bad_requests"] + sum(s.counts["bad_requests"] for s, *_ in
+                                                             ep.sessions.values())
+                    start = time.perf_counter()
+                    reply = await http.post(path, content=body if isinstance(body, bytes) else body.encode())
+                    took = time.perf_counter() - start
+                    after = ep.counts["bad_requests"] + sum(s.counts["bad_requests"] for s, *_ in
+                                                            ep.sessions.values())
+                    param = reply.json()["error"]["param"] if reply.status_code >= 400 else None
+                    seen.append((what, reply.status_code, param, after - before, took))
+                return seen, claimed, unclaimed, unclaimed_session, ep.counts["bad_requests"]
+        finally:
+            await ep.stop()
+
+    seen, claimed, unclaimed, unclaimed_session, claim_bad = asyncio.run(main())
+    for (what, status, param, counted, _), (_, _, _, want, want_param) in zip(seen, HOSTILE):
+        assert (status, param, counted) == (want, want_param, int(want == 400)), (what, status, param, counted)
+    assert claim_bad == 4  # the claims' 400s, handed to the next finished sample (AgentRunner._finish)
+    assert claimed.reward == {"a": 0.5, "b": 0.25} and not claimed.done.done()  # the NaN finish finished nothing
+    assert unclaimed.reward is None and unclaimed_session.calls == 0 and not unclaimed.done.done()
+    assert len(engine.contexts) == 1  # only the control chat reached the engine
+    big = next(row for row in seen if row[0].startswith("1 MB"))
+    assert big[4] < 0.5, f"the 1 MB message took {big[4]:.2f} s to refuse"  # tokenizing it takes about 1 s
+
+
+def test_the_endpoints_file_is_readable_by_its_owner_only_and_gone_when_the_run_ends(tmp_path, monkeypatch):
+    """`<run.dir>/agent_endpoints.json` holds the endpoints' tokens: written 0600 (an older 0644 one replaced), and
+    removed when the run ends, failed or not (an outside agent then knows the run is gone, not between calls)."""
+    import os
+    import stat
+    from types import SimpleNamespace
+
+    from orchestrator.config import load_config
+    from orchestrator.rl import pools
+    from orchestrator.rl.driver import Run
+    from orchestrator.rl.policy_loop import PolicyLoop
+
+    class Worker:  # an engine's agent_address, answered in place (ray.get passes it through)
+        agent_address = SimpleNamespace(remote=lambda env, budget: {"worker": "rollout-0", "url": "http://x:1",
+                                                                     "token": "secret"})
+
+    path = tmp_path / pools.AGENT_ENDPOINTS
+    path.write_text("{}")
+    path.chmod(0o644)
+    cfg = load_config(None, [f"run.dir={tmp_path}"])
+    monkeypatch.setattr(pools.ray, "get", lambda refs: refs)
+    pools.RolloutPool.publish_agent_endpoints(SimpleNamespace(cfg=cfg, workers=[Worker()]), {})
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and json.loads(path.read_text())["endpoints"][0]["token"]
+    run = Run(cfg, PolicyLoop)
+    monkeypatch.setattr(run, "_steps", lambda fleet: (_ for _ in ()).throw(RuntimeError("the run failed")))
+    with pytest.raises(RuntimeError, match="the run failed"):
+        run.run()
+    assert not path.exists()

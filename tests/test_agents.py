@@ -164,13 +164,23 @@ def test_an_agent_outside_the_fleet_trains_through_the_control_endpoints(tmp_pat
     with its reward. Nothing is left unclaimed, and the learner's logprobs of the sampled tokens equal the engine's.
     Runs on the previous test's engines (same model and settings: the shared fleet keeps them)."""
     import asyncio
+    import contextlib
     import threading
 
     from examples.external_agent import main_async
 
-    run_dir, stats = tmp_path / "run", {}
+    run_dir, stats, published = tmp_path / "run", {}, {}
     outside = threading.Thread(target=lambda: stats.update(asyncio.run(main_async(run_dir, 16, 300.0))), daemon=True)
     outside.start()
+
+    def watch():  # the endpoints file while the run lasts (it is removed when the run ends)
+        path = run_dir / "agent_endpoints.json"
+        while not published and outside.is_alive():
+            with contextlib.suppress(OSError, ValueError):
+                published.update(mode=path.stat().st_mode & 0o777, **json.loads(path.read_text()))
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, daemon=True).start()
     rows = run_fleetrl(run_dir, "-c", str(ROOT / "configs/smollm2_agent.yaml"), f"model.path={smollm2}",
                        "env.agent=external", "env.episode_timeout_s=240", "data.prompts_per_step=4",
                        "rollout.group_size=4", "rollout.max_new_tokens=32", "env.max_total_tokens=512",
@@ -183,7 +193,8 @@ def test_an_agent_outside_the_fleet_trains_through_the_control_endpoints(tmp_pat
     row = train[0]
     assert (row["agent/unclaimed"], row["agent/timeouts"], row["agent/errors"]) == (0, 0, 0), row
     assert row["rollout/logprob_gap_max"] < 1e-3 and row["agent/calls_mean"] >= 1
-    endpoints = json.loads((run_dir / "agent_endpoints.json").read_text())["endpoints"]
+    endpoints = published["endpoints"]
+    assert published["mode"] == 0o600 and not (run_dir / "agent_endpoints.json").exists()
     assert sorted(e["worker"] for e in endpoints) == ["rollout-0", "rollout-1"]
     assert all(e["url"].startswith("http://127.0.0.1:") and e["token"] for e in endpoints)
     dumped = _dumped(run_dir, 0)

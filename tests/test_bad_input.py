@@ -1,4 +1,4 @@
-"""Bad input found by trying the CLI as a new user would (issue 43): each gets one line naming the key, file or
+"""Bad input found by trying the CLI as a new user would: each gets one line naming the key, file or
 value and what is allowed, exit 2, before anything starts and with nothing written. In-process (`cli.main`), so
 the table costs seconds; the run-time cases (a reward function failing in the actors) are in test_faults."""
 
@@ -87,6 +87,20 @@ def test_bad_input_gets_one_line_and_exit_2(capsys, monkeypatch, tmp_path, argv,
         assert w in err, err
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
 
+
+def test_one_address_names_the_cluster_for_every_cluster_command(monkeypatch):
+    """`--address` is the cluster's job API (`http://HOST:8265`) or its GCS (`HOST:PORT`) for every cluster command;
+    each derives the one it needs with Ray's default ports, and a GCS in RAY_ADDRESS beats a derived one."""
+    from orchestrator.ops.jobs import gcs_address, job_address
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert job_address("http://head:8265") == "http://head:8265" and gcs_address("http://head:8265") == "head:6379"
+    assert job_address("head:7000") == "http://head:8265" and gcs_address("head:7000") == "head:7000"
+    assert gcs_address(None) is None
+    monkeypatch.setenv("RAY_ADDRESS", "head:7000")
+    assert gcs_address("http://head:8265") == "head:7000" and gcs_address(None) == "head:7000"
+    monkeypatch.setenv("RAY_ADDRESS", "http://head:8265")
+    assert gcs_address(None) == "head:6379" and job_address(None) == "http://head:8265"
 
 def test_kl_coef_alone_is_the_default_algorithms(capsys):
     assert _run(capsys, "config", "show", "algorithm.kl_coef=0.1")[0] == 0

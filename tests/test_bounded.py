@@ -15,7 +15,7 @@ from rewards.bounded import BoundedPool
 from rewards.functions import math_reward
 from tests.conftest import subprocess_env
 
-HANGING = [  # each ran > 40 s in math-verify against a symbolic reference (issue 41)
+HANGING = [  # each ran > 40 s in math-verify against a symbolic reference (before the hard time limit)
     ("\\boxed{10^{10^{10}}}", "2\\sqrt{3}"), ("\\boxed{9^{9^{9^{9}}}}", "2\\sqrt{3}"),
     ("\\boxed{(x+1)^{100000}}", "2\\sqrt{3}"),
 ]

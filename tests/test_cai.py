@@ -1,4 +1,4 @@
-"""Constitutional AI (issue #29): principles, the judge's option probabilities, soft-label DPO, the rule checks,
+"""Constitutional AI: principles, the judge's option probabilities, soft-label DPO, the rule checks,
 bad input; and one tiny SL-CAI -> RL-CAI pipeline with real actors on SmolLM2."""
 
 import functools

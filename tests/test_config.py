@@ -210,3 +210,41 @@ def test_run_seed_seeds_every_part_and_a_contradicting_section_seed_is_refused()
         load_config(None, ["run.seed=7", "rollout.seed=3"])
     resolved = load_config(None, ["run.seed=7"])  # a resolved config (a checkpoint's) loads as it was written
     assert FleetConfig.model_validate(resolved.model_dump()).data.seed == 7
+
+
+def _commands(parser, path=()):
+    """Every command path of the `fleetrl` parser (`train`, `cai revise`, ...) with its parser."""
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, parser
+    for name, sp in (subs[0].choices.items() if subs else ()):
+        yield from _commands(sp, (*path, name))
+
+
+def test_version_and_each_commands_own_help():
+    """`fleetrl --version` is the installed package's; `fleetrl cai revise --help` is `cai revise`'s help (it was
+    `cai`'s), for every command and subcommand."""
+    from importlib.metadata import version
+
+    from orchestrator.ops.cli import _parser
+
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"fleetrl {version('fleetrl')}"
+    paths = [path for path, _ in _commands(_parser())]
+    assert ("cai", "revise") in paths and ("config", "docs") in paths and ("data", "tool-demos") in paths
+    for path in paths:
+        r = cli(*path, "--help")
+        assert r.returncode == 0 and r.stdout.startswith(f"usage: fleetrl {' '.join(path)} "), (path, r.stdout[:80])
+
+
+def test_every_run_starting_command_takes_verbose():
+    """`--verbose` means `run.verbose=true` for every command that starts actors (or a job that does)."""
+    from orchestrator.ops.cli import parse_args
+
+    needs = {"cai revise": ["--n", "1", "--out", "x"], "cai prefer": ["--n", "1", "--out", "x"]}
+    for cmd in ("train", "eval", "rft", "sft", "distill", "prm label", "prm train", "cai revise", "cai prefer",
+                "pipeline", "submit"):
+        args = parse_args([*cmd.split(), "-c", "x.yaml", *needs.get(cmd, []), "--verbose", "a.b=1"])
+        assert args.overrides == ["a.b=1", "run.verbose=true"], cmd

@@ -66,6 +66,32 @@ def test_mlflow_wandb_and_tensorboard_get_what_metrics_jsonl_holds(tmp_path):
     assert tb == pytest.approx(expected)
 
 
+def _run_record(path, wait_s: float = 30.0):
+    """The run record of a W&B offline run file; W&B's service process may still be writing it after ``finish``
+    returns on a loaded machine (seen under the two-lane unit tier), so it is read again until it is there."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = [r.run for r in wandb_offline.records(path) if r.WhichOneof("record_type") == "run"]
+        if found or time.monotonic() > deadline:
+            assert found, f"no run record in {path}"
+            return found[0]
+        time.sleep(0.5)
+
+
+def test_wandb_run_takes_entity_name_and_tags_from_the_config(tmp_path):
+    cfg = load_config(None, [f"run.dir={tmp_path}", "run.loggers=[jsonl, wandb]", "run.wandb_entity=my-team",
+                             "run.wandb_name=gsm8k-grpo", "run.wandb_tags=[smollm2, gsm8k]"])
+    m = MetricsLogger(tmp_path, plot_every=1000, loggers=cfg.run.loggers, params=cfg.model_dump(mode="json"))
+    m.log(ROWS[0])
+    m.close()
+    (path,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    run = _run_record(path)
+    assert (run.entity, run.project, run.display_name, list(run.tags)) == \
+        ("my-team", "fleetrl", "gsm8k-grpo", ["smollm2", "gsm8k"])
+
+
 def test_a_resumed_run_continues_its_mlflow_and_wandb_runs(tmp_path):
     from mlflow.tracking import MlflowClient
 

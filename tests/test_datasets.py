@@ -182,7 +182,7 @@ def test_chat_message_prompts_are_accepted_and_bad_messages_named(tmp_path):
 
 @pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
 def test_a_rows_other_columns_reach_the_reward_functions(tmp_path, suffix):
-    """Issue 43: every column but the prompt is metadata, so countdown reads `numbers` and `target` from a file
+    """Every column but the prompt is metadata, so countdown reads `numbers` and `target` from a file
     (no `answer` column needed with a verifier other than math), and `math` keeps `answer`."""
     rows = [{"prompt": f"Use {a}, {b} to make {a + b}", "numbers": [a, b], "target": a + b, "level": i}
             for i, (a, b) in enumerate([(3, 4), (5, 6), (7, 8), (9, 1)])]

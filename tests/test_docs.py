@@ -72,6 +72,67 @@ def test_relative_links_resolve(page):
     assert not missing, f"{page.name}: broken links {missing}"
 
 
+def bash_commands(page: Path) -> list[str]:
+    """The `fleetrl ...` command lines of the page's ```bash blocks: continuation lines joined, the comment and a
+    trailing `&` dropped, `<placeholder>` made one word."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            found = re.search(r"(?:^|\$ |&& )(fleetrl [^#]*)", line.strip())
+            if found:
+                lines.append(re.sub(r"<[^>]*>", "PLACEHOLDER", found.group(1)).strip().rstrip("&").strip())
+    return lines
+
+
+def _needs_a_missing_file(argv: list[str]) -> bool:
+    """A command of the docs names a file, directory or plugin module that is not in the checkout (a run's output,
+    the reader's own data, config or module): it is parsed, not loaded."""
+    import importlib.util
+
+    for i, word in enumerate(argv):
+        key, _, value = word.rpartition("=") if "=" in word and not word.startswith("-") else ("", "", word)
+        if value == "PLACEHOLDER":
+            return True
+        if key.endswith(".dir") or value.startswith("-"):
+            continue
+        module = re.search(r"([A-Za-z_][\w.]*):[A-Za-z_]\w*", value)
+        if module and "://" not in value and importlib.util.find_spec(module.group(1).split(".")[0]) is None:
+            return True
+        if (argv[i - 1] in ("-c", "--config") or "/" in value) and not (ROOT / value).exists():
+            return True
+    return False
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_yaml_blocks_load_and_commands_parse(page):
+    """Every ```yaml block loads; every `fleetrl` command line parses; a `train` or `config show` line whose files
+    exist passes `config show` (its config loaded and every check a run makes at load; a config that names a run's
+    output, as `distill.teacher: runs/.../final`, may fail only on that path)."""
+    import shlex
+
+    import yaml
+
+    from orchestrator.ops.cli import parse_args, show_config
+
+    for block in re.findall(r"```yaml\n(.*?)```", page.read_text(), re.S):
+        try:
+            yaml.safe_load(block)
+        except yaml.YAMLError as e:
+            pytest.fail(f"{page.name}: a yaml block does not load: {e}\n{block}")
+    for line in bash_commands(page):
+        try:
+            args = parse_args(shlex.split(line)[1:])
+        except SystemExit:
+            pytest.fail(f"{page.name}: `{line}` does not parse")
+        if args.command in ("train", "config") and not _needs_a_missing_file(shlex.split(line)):
+            try:
+                show_config(args.config, args.overrides, args.stage)
+            except Exception as e:  # unless its config names a file that is not here (a run's output)
+                missing = [p for p in re.findall(r"'([^']+/[^']+)'", str(e)) if not (ROOT / p).exists()]
+                if not missing:
+                    pytest.fail(f"{page.name}: `{line}` fails `config show`: {e}")
+
+
 def test_readme_is_a_landing_page():
     size = len((ROOT / "README.md").read_bytes())
     assert size <= 12 * 1024, f"README.md is {size} bytes; reference material belongs in docs/"
@@ -107,7 +168,7 @@ def test_benchmark_tables_are_generated_from_their_results(tmp_path):
 
 def test_every_result_a_generated_table_reads_is_committed():
     """bench/results/ is git-ignored, so a new result must be added with `git add -f`; a clean clone (CI) would
-    render "No result yet" (session 18's CI failed so)."""
+    render "No result yet" (CI once failed so)."""
     import re
     import subprocess
 

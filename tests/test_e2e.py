@@ -28,11 +28,11 @@ def train(run_dir: Path, *args: str, timeout: int = 600) -> subprocess.Completed
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def run_fleetrl(run_dir: Path, *args: str, timeout: int = 600) -> list[dict]:
+def run_fleetrl(run_dir: Path, *args: str, timeout: int = 600, env: dict | None = None) -> list[dict]:
     """`fleetrl train` on the session's shared fleet (tests/fleet_server.py: the actors of the previous run that fit
-    this one are kept); its metrics rows."""
+    this one are kept), with ``env`` set for it; its metrics rows."""
     config = list(args[:2]) if args[:1] == ("-c",) else []
-    proc = FLEET_SERVER.run(["train", *config, f"run.dir={run_dir}", *args[len(config):]], timeout)
+    proc = FLEET_SERVER.run(["train", *config, f"run.dir={run_dir}", *args[len(config):]], timeout, env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -91,7 +91,7 @@ def _check_eval_samples(run_dir: Path, rows: list[dict]) -> None:
 RAY_NODE_WARNING = re.compile(r"\(raylet\).*WARNING: \d+ PYTHON worker processes have been started on node")
 """Ray's raylet tells every driver of a node when many worker processes started at once (4x its CPU count, 8 on
 2 cores): on the session's shared head it depends on what the tests before left running, and it is Ray's line,
-not fleetrl's (the suite of session 24 met it once, after the on-policy distillation test)."""
+not fleetrl's (the suite met it once, after the on-policy distillation test)."""
 
 
 def _check_console(proc: subprocess.CompletedProcess, run_dir: Path, steps: int) -> None:

@@ -128,7 +128,7 @@ def broken_in_the_actors(prompt, completion, metadata):
 
 @pytest.mark.e2e
 def test_a_run_whose_reward_calls_fail_stops_with_the_first_failure(tmp_path):
-    """Issue 43: more than reward.max_error_frac of a step's reward calls failing stops the run (exit 1) with the
+    """More than reward.max_error_frac of a step's reward calls failing stops the run (exit 1) with the
     function's error, instead of training to the end on zeros."""
     proc = fleetrl("train", f"run.dir={tmp_path}", "trainer.total_steps=3", "trainer.eval_every=0",
                    "rollout.num_workers=1", "learner.num_ranks=1", "learner.zero_stage=0",

@@ -1,4 +1,4 @@
-"""One fleet, loops chosen once (issue 42): which actors each loop starts, and every check a run makes at load
+"""One fleet, loops chosen once: which actors each loop starts, and every check a run makes at load
 made by `fleetrl config show` and by `fleetrl train` before anything starts. No actor starts in this file."""
 
 import json

@@ -14,7 +14,7 @@ ADD = "What is 64 + 95?"
 ADD_META = {"answer": "159"}
 
 
-# ---- math: the issue's table, then every accepted form ------------------------------------------------------------
+# ---- math: the hostile table, then every accepted form ------------------------------------------------------------
 @pytest.mark.parametrize("completion,reference,expected", [
     ("64 + 95", "159", 0.0),
     ("64 + 95 =", "159", 0.0),
@@ -53,8 +53,8 @@ def test_right_answers_in_every_accepted_form_score_1(completion, reference):
     ("### Final Answer\n\\boxed{159}", "159"), ("*159*", "159"), ("$\\boxed{11,\\! 111}$", "11111"),
     ("\\boxed{1}, \\boxed{2}", "\\{1, 2\\}"), ("0.333333", "1/3"),
 ])
-def test_issue_41_right_answers_in_the_forms_chat_models_write(completion, reference):
-    """Each scored 0 under the rule before issue 41 (markdown read as multiplication, the box before an explicit
+def test_right_answers_in_the_forms_chat_models_write(completion, reference):
+    """Each scored 0 under the earlier final-answer rule (markdown read as multiplication, the box before an explicit
     final statement, LaTeX digit groups, shorthand fractions, unreduced fractions, sets as one box per element)."""
     assert REWARD_FUNCTIONS["math"](ADD, completion, {"answer": reference}) == 1.0
 
@@ -63,8 +63,8 @@ def test_issue_41_right_answers_in_the_forms_chat_models_write(completion, refer
     ("$\\frac{1+\\sqrt{5}}{2}$", "2"), ("AZYUK2A", "2"), ("x2", "2"), ("$10^{10}$", "10"), ("1000,99", "1000"),
     ("\\boxed{318/2}", "159"), ("Reduce 6/8: 6/8", "\\frac{3}{4}"), ("158 or maybe 159", "159"), ("0.333", "1/3"),
 ])
-def test_issue_41_wrong_answers_are_not_paid(completion, reference):
-    """The first two were paid under the rule before issue 41 (the denominator, a digit inside a word)."""
+def test_wrong_answers_the_earlier_rule_paid_are_not_paid(completion, reference):
+    """The first two were paid under the earlier final-answer rule (the denominator, a digit inside a word)."""
     assert REWARD_FUNCTIONS["math"]("Reduce 6/8.", completion, {"answer": reference}) == 0.0
 
 

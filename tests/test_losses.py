@@ -1,4 +1,4 @@
-"""Losses: PPO clip cases (seed 002), KL estimators, aggregation, and invariance to micro-batch/rank splits."""
+"""Losses: PPO clip cases, KL estimators, aggregation, and invariance to micro-batch/rank splits."""
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ def _scale(mask):
     [(1.0, 1.1, True), (1.0, 1.3, False), (-1.0, 0.9, True), (-1.0, 0.7, False), (-1.0, 1.3, True), (1.0, 0.7, True)],
 )
 def test_ppo_clip_four_cases(adv, ratio, grad_flows):
-    """seed 002: A>0 and r>1+eps, or A<0 and r<1-eps, is clipped (no gradient); otherwise the gradient flows."""
+    """A>0 and r>1+eps, or A<0 and r<1-eps, is clipped (no gradient); otherwise the gradient flows."""
     old = torch.zeros(1, 1)
     logp = torch.full((1, 1), float(torch.log(torch.tensor(ratio))), requires_grad=True)
     mask = torch.ones(1, 1)

@@ -102,12 +102,12 @@ def test_pipeline_killed_in_stage_two_resumes_without_repeating_stage_one(tmp_pa
     assert summary[1]["model"] == str(stage2 / "final") and (stage2 / "final" / "config.json").exists()
     steps = [r["step"] for r in _rows(stage2)]
     assert steps == list(range(7))  # every step once: the resumed run continued the stage's metrics
-    # the SFT stage without evals started the learner group alone (issue 42): no engine, reward actor or probe
+    # the SFT stage without evals started the learner group alone: no engine, reward actor or probe
     assert not [p.name for p in (run_dir / "01-warm" / "logs").iterdir() if p.name.startswith(("rollout-", "reward-"))]
     stage3 = (run_dir / "03-rft" / "stage.yaml").read_text()
     assert f"path: {stage2 / 'final'}" in stage3
     assert all(s["model"] and s["seconds"] > 0 for s in summary)
-    # stage 3 ran on the fleet stage 2 left (issue 42: the learner ranks loaded 02-rl/final in place, the engines
+    # stage 3 ran on the fleet stage 2 left (the learner ranks loaded 02-rl/final in place, the engines
     # got its weights, the reward actor stayed): the same round alone, on a fleet of its own, gives the same numbers
     stage3_log = (run_dir / "03-rft" / "logs" / "driver.log").read_text()
     assert "fleet served a new run" in stage3_log and "kept ['learner', 'reward', 'rollout']" in stage3_log

@@ -3,6 +3,7 @@ tokenizer, truncated completions masked). A tiny real tokenizer with a chat temp
 
 import pytest
 import torch
+import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -62,3 +63,29 @@ def test_batch_uses_the_pad_id_and_masks_truncated_completions():
     masked = samples_to_batch(samples, pad_id=2, mask_truncated=True)
     assert masked.response_mask.tolist() == [[1, 1, 0], [0, 0, 0]]
     assert torch.equal(masked.input_ids, batch.input_ids)
+
+
+def test_data_chat_template_and_its_kwargs_reach_the_rendered_prompt(tmp_path):
+    """`data.chat_template` (a file or the text) replaces the tokenizer's template on the engines' spec and in the
+    driver's renderer; `data.chat_template_kwargs` reach the template; a mistyped path is refused at load."""
+    from orchestrator.config import ConfigError, load_config
+    from orchestrator.rl.specs import engine_spec
+    from workers.prompts import use_chat_template
+
+    own = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
+           "{% if enable_thinking is defined and not enable_thinking %} /no_think{% endif %} [assistant]")
+    path = tmp_path / "template.jinja"
+    path.write_text(own)
+    inline = tmp_path / "inline.yaml"  # the template text itself, as a YAML config gives it
+    inline.write_text(yaml.safe_dump({"data": {"chat_template": own}}))
+    for config, given in ((None, [f"data.chat_template={path}"]), (inline, [])):
+        cfg = load_config(config, [*given, "data.chat_template_kwargs={enable_thinking: false}"])
+        spec = engine_spec(cfg, 64)
+        assert spec.chat_template == own and spec.chat_template_kwargs == {"enable_thinking": False}
+        r = PromptRenderer(use_chat_template(_tokenizer(template=None), cfg.data.chat_template), "auto",
+                           template_kwargs=cfg.data.chat_template_kwargs)
+        assert r.render("1+1?")[0] == "[user] 1+1? /no_think [assistant]"
+    assert PromptRenderer(use_chat_template(_tokenizer(), None), "chat").render("q")[0] == "<user>q\n<assistant>"
+    assert engine_spec(load_config(None, []), 64).chat_template is None
+    with pytest.raises(ConfigError, match="neither a file nor a Jinja chat template"):
+        load_config(None, [f"data.chat_template={tmp_path / 'templte.jinja'}"])

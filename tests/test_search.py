@@ -62,7 +62,7 @@ def test_majority_vote_and_best_index():
 
 
 def test_ucb_against_the_formula():
-    """UCB = Q(s, a) + c * sqrt(ln N(s) / N(s, a)) (seed 003); an unvisited child first."""
+    """UCB = Q(s, a) + c * sqrt(ln N(s) / N(s, a)) (UCT, Kocsis & Szepesvari 2006); an unvisited child first."""
     assert ucb(0.5, 10, 2, 1.4) == pytest.approx(0.5 + 1.4 * math.sqrt(math.log(10) / 2))
     assert ucb(0.0, 10, 0, 1.0) == math.inf
     assert ucb(0.7, 5, 5, 0.0) == 0.7  # c = 0: pure exploitation

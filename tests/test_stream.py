@@ -1,4 +1,4 @@
-"""Partial rollouts on a real vLLM engine (workers/stream.py, issue 44): a weight push in the middle of generation
+"""Partial rollouts on a real vLLM engine (workers/stream.py): a weight push in the middle of generation
 loses and regenerates no token, the tokens before it keep their logprobs and version, the tokens after it are the
 new weights' (each checked against transformers on the exact prefix, fp32), and a resumed sample's budget is what
 remained of its own."""

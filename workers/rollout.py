@@ -16,7 +16,7 @@ from pathlib import Path
 
 from common.actor_logs import LoggedActor
 from common.imports import skip_unused_imports
-from workers.prompts import PromptRenderer
+from workers.prompts import PromptRenderer, use_chat_template
 from workers.records import Sample, StreamTake
 
 ENGINE_CALL_S = 3600.0
@@ -52,9 +52,12 @@ class EngineSpec:
     enforce_eager: bool | None = None
     prompt_format: str = "auto"
     system_prompt: str | None = None
+    chat_template: str | None = None  # data.chat_template's text (read on the driver), None: the tokenizer's
+    chat_template_kwargs: dict | None = None
     stop: tuple[str, ...] = ()
     partial_push: bool = False
     lora: dict | None = None
+    trust_remote_code: bool = False
 
 
 class RolloutWorker(LoggedActor):
@@ -78,7 +81,7 @@ class RolloutWorker(LoggedActor):
             tensor_parallel_size=spec.tensor_parallel_size, max_num_seqs=spec.max_num_seqs,
             worker_extension_cls="workers.nccl_sync.NcclWeightSyncExtension", enable_prefix_caching=True,
             # logprobs of the distribution actually sampled (after temperature), as the learner computes them
-            logprobs_mode="processed_logprobs",
+            logprobs_mode="processed_logprobs", trust_remote_code=spec.trust_remote_code,
         )
         if lora:
             from workers.lora_adapters import engine_kwargs
@@ -103,8 +106,9 @@ class RolloutWorker(LoggedActor):
 
             self.adapter = ServedAdapter(self.llm, lora, str(os.getpid()))
         self._warm_up()
-        self.tokenizer = self.llm.get_tokenizer()
-        self.renderer = PromptRenderer(self.tokenizer, spec.prompt_format, spec.system_prompt)
+        self.tokenizer = use_chat_template(self.llm.get_tokenizer(), spec.chat_template)
+        self.renderer = PromptRenderer(self.tokenizer, spec.prompt_format, spec.system_prompt,
+                                       spec.chat_template_kwargs)
         self.stop = list(spec.stop)
         self.policy_version = 0
         self.generated_tokens = 0
@@ -289,9 +293,12 @@ class RolloutWorker(LoggedActor):
         address = self._factory(env, max_new_tokens, None).agent.endpoint.address()
         if env.get("endpoint_host") in ("0.0.0.0", "::", ""):
             import ray
+            from ray._common.network_utils import node_ip_address_from_perspective
 
-            port = address["url"].rsplit(":", 1)[1]
-            address["url"] = f"http://{ray.util.get_node_ip_address()}:{port}"
+            port, ip = address["url"].rsplit(":", 1)[1], ray.util.get_node_ip_address()
+            if ip.startswith("127."):  # a private Ray instance is on loopback; the endpoint is asked to be reachable
+                ip = node_ip_address_from_perspective()
+            address["url"] = f"http://{ip}:{port}"
         return {"worker": self.name, **address}
 
     def stream_start(self, temperature: float, top_p: float) -> None:

@@ -1,4 +1,4 @@
-"""Partial rollouts (issue 44): generation that a weight push interrupts without losing or regenerating a token.
+"""Partial rollouts: generation that a weight push interrupts without losing or regenerating a token.
 
 A :class:`Stream` drives one vLLM ``LLMEngine`` (``llm.llm_engine``) a step at a time. Requests are added at any
 time (:meth:`Stream.submit`); every step's new tokens are recorded with their logprobs and the policy version that

@@ -124,7 +124,7 @@ class GDPOConfig(LossConfig):
     weights: dict[str, float] | None = None
     """Weight per component name (default 1 each)."""
     conditions: list[RewardCondition] = Field(default_factory=list)
-    """Conditioned rewards (seed 000): a component counts only when another reaches a threshold."""
+    """Conditioned rewards (GDPO): a component counts only when another reaches a threshold."""
     eps: float = Field(1e-6, gt=0.0)
     """Added to the std in both normalizations."""
 
@@ -224,8 +224,9 @@ class DPOConfig(ObjectiveConfig):
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
     """Conservative DPO: the probability that a preference label is flipped (0: plain DPO)."""
     pairs: str | None = None
-    """Offline DPO: a JSONL file of `prompt`, `chosen`, `rejected` (strings, or chat message lists). None: online
-    DPO from the rollout groups."""
+    """Offline DPO: preference rows `prompt`, `chosen`, `rejected` (strings, or chat message lists; without
+    `prompt`, TRL's implicit prompt: the messages chosen and rejected share) from a file (JSONL, `.json`,
+    `.parquet`, `.csv`), a dataset directory or a Hub dataset id. None: online DPO from the rollout groups."""
     min_reward_gap: float = Field(0.5, ge=0.0)
     """Online DPO: a group gives a (best, worst) pair only when their rewards differ by at least this."""
 
@@ -255,9 +256,9 @@ class RewardModelConfig(ObjectiveConfig):
     """Selects this objective: `algorithm.name: reward_model`."""
     objective: ClassVar[str] = "bradley_terry"
     pairs: str | None = None
-    """Required (a pipeline's `ai_preferences: N` stage writes it): a JSONL file of `prompt`, `chosen`,
-    `rejected` (strings or chat messages) and optional `preference` (P(chosen is better), a soft label): what
-    `fleetrl cai prefer` writes and DPO's offline pairs are."""
+    """Required (a pipeline's `ai_preferences: N` stage writes it): preference rows `prompt`, `chosen`,
+    `rejected` (strings or chat messages; TRL's implicit prompt too) and optional `preference` (P(chosen is
+    better), a soft label), from a file, a dataset directory or a Hub dataset id, as DPO's offline pairs."""
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
     """Share of the pairs (by prompt) held out for `rm/heldout_accuracy`."""
 

@@ -25,8 +25,23 @@ EMBEDDED_MODELS = {EMBEDDED_MODEL_PATH: "arith", CALC_MODEL_PATH: "calc", THINK_
 
 class ModelConfig(Section):
     path: str = EMBEDDED_MODEL_PATH
-    """Local HF model directory (config, safetensors, tokenizer). The default is the embedded arithmetic
-    model, built by `fleetrl init-model` when missing. Point it at any local causal LM for a real run."""
+    """A local HF model directory (config, safetensors, tokenizer) or a Hugging Face Hub id `org/name` (resolved
+    through the Hub cache at load, honouring `HF_HOME`, `HF_HUB_OFFLINE` and `HF_TOKEN`, and rewritten to the
+    snapshot directory; `source` records the id and commit). The default is the embedded arithmetic model, built
+    by `fleetrl init-model` when missing."""
+    revision: str = "main"
+    """The Hub revision (branch, tag or commit) of a Hub id in `path` (ignored for a local directory). Other keys
+    that take a model (`distill.teacher`, `reward.model.path`, `prm.path`, `prm.orm_path`, `eval --checkpoint`)
+    take a Hub id too, at its `main`."""
+    source: str | None = None
+    """Filled in at load: `org/name@commit` when `path` was a Hub id (recorded in config.yaml and summary.json);
+    None for a local directory."""
+    trust_remote_code: bool = False
+    """Let transformers and vLLM run the model repo's own Python code (models whose architecture is not built in);
+    only for repos you trust."""
+    attn_implementation: str | None = None
+    """transformers' attention implementation for the learner (`eager`, `sdpa`, `flash_attention_2`, ...); None:
+    transformers' default. vLLM picks its own attention backend."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of the learner and the rollout engines."""
     init_seed: int = 0
@@ -45,8 +60,19 @@ class DataConfig(Section):
     docs/agents.md), `constitution` (chat prompts whose principles are checked by rule: one sentence, a secret
     word kept, numbers in words; Constitutional AI, docs/cai.md). See the README, "Rewards, tasks and datasets"."""
     path: str | None = None
-    """A dataset to train on instead of the built-in task: JSONL (one JSON object per line) or, for a path
-    ending in `.parquet`, a Parquet file."""
+    """A dataset to train on instead of the built-in task: a file (JSONL, one JSON object per line; `.json`,
+    `.parquet` or `.csv`), a local dataset directory (a Hub dataset repo's layout, or `Dataset.save_to_disk`'s),
+    or a Hub dataset id `org/name` (resolved through the Hub cache at load, like `model.path`). Prompt-only rows
+    in TRL's standard (`prompt` a string) or conversational (`prompt` a message list) format."""
+    config: str | None = None
+    """The dataset configuration (subset) of a dataset directory or Hub id in `path` (GSM8K: `main`)."""
+    split: str = "train"
+    """The split of a dataset directory or Hub id in `path` that is trained on."""
+    eval_split: str | None = None
+    """A split of the same dataset held out for evals (e.g. `test`); default: the last `eval_size` rows of
+    `split`. Give this or `eval_path`, not both."""
+    source: str | None = None
+    """Filled in at load: `org/name@commit` when `path` was a Hub dataset id; None otherwise."""
     prompt_field: str = "prompt"
     """Dataset column holding the prompt (GSM8K: `question`): a string, or a list of chat messages
     (`[{role, content}, ...]`)."""
@@ -100,14 +126,18 @@ class DataConfig(Section):
     @field_validator("verifier")
     @classmethod
     def _check_verifier(cls, name: str) -> str:
-        from rewards.functions import load_reward_function
+        from rewards.functions import is_batched, load_reward_function
 
         try:
-            load_reward_function(name)
+            fn = load_reward_function(name)
         except KeyError as e:
             raise ValueError(e.args[0]) from None
         except ImportError as e:
             raise ValueError(f"cannot import the verifier {name!r}: {e}") from None
+        if is_batched(fn):
+            raise ValueError(f"{name!r} has TRL's batched signature; a verifier decides one completion at a time "
+                             "(evals, RFT and search call it per sample): give fn(prompt, completion, metadata), "
+                             "e.g. math")
         return name
 
     @model_validator(mode="after")
@@ -115,7 +145,28 @@ class DataConfig(Section):
         if self.countdown_min_numbers > self.countdown_max_numbers:
             raise ValueError(f"data.countdown_min_numbers ({self.countdown_min_numbers}) must not exceed "
                              f"data.countdown_max_numbers ({self.countdown_max_numbers})")
+        if self.eval_split and self.eval_path:
+            raise ValueError(f"data.eval_split ({self.eval_split!r}) and data.eval_path ({self.eval_path!r}) both "
+                             "name the eval rows: give one")
         return self
+
+    chat_template: str | None = None
+    """A chat template replacing the tokenizer's (a Jinja file's path, or the template text itself): what `chat`
+    format renders prompts, episodes and SFT/DPO rows with, on the engines and in the driver. None: the
+    tokenizer's own."""
+    chat_template_kwargs: dict = {}
+    """Extra variables for the chat template (e.g. `{enable_thinking: false}` for Qwen3's), passed to
+    `apply_chat_template` wherever a prompt or row is rendered (training, evals, search, length filtering, SFT and
+    DPO rows); not yet to multi-turn episodes (`env`), which render with the template alone."""
+
+    @field_validator("chat_template")
+    @classmethod
+    def _check_chat_template(cls, value: str | None) -> str | None:
+        from workers.prompts import read_chat_template
+
+        if value is not None:
+            read_chat_template(value)  # a missing file is refused at load, not on the engines
+        return value
 
 
 class RolloutConfig(Section):
@@ -190,8 +241,8 @@ class RolloutConfig(Section):
     completion and trained on). Generation always stops at the model's EOS / end-of-turn tokens (its
     generation_config), and that token is part of the trained response."""
     enforce_eager: bool | None = None
-    """vLLM eager mode. None: eager on CPU (fast start; a compiled graph takes ~40-90 s per engine to build here
-    and pays off only on larger models), compiled/CUDA graphs on GPU. false: torch.compile on CPU too."""
+    """vLLM eager mode. None: eager on CPU (fast start; a compiled graph takes ~40-90 s per engine to build on a
+    2-core x86 CPU and pays off only on larger models), compiled/CUDA graphs on GPU. false: torch.compile on CPU too."""
 
 
 class RewardFunctionSpec(Section):
@@ -302,8 +353,8 @@ class LearnerConfig(Section):
     pass per step). With `algorithm.kl_coef` > 0 (or PPO's `kl_reward_coef`) the reference is always there."""
     mixed_precision: Literal["bfloat16", "float16"] | None = None
     """None: plain model.dtype. Otherwise the learner's forward and backward compute under torch.autocast in this
-    dtype (AMX / tensor-core matmuls) while parameters, gradients and optimizer state stay in model.dtype. On this
-    machine's CPU (AMX) bf16 makes the 24 M-param update ~1.45x faster (docs/BENCHMARKS.md)."""
+    dtype (AMX / tensor-core matmuls) while parameters, gradients and optimizer state stay in model.dtype. On an
+    Intel Xeon with AMX (2 cores) bf16 makes the 24 M-param update ~1.45x faster (docs/BENCHMARKS.md)."""
     logprob_pass: Literal["auto", "always"] = "auto"
     """`auto`: when the batch is used once (1 epoch, 1 minibatch, no critic), the old logprobs are the learner's
     own logprobs in the update's first pass (the weights before the update, so the PPO ratio starts at exactly 1)
@@ -370,7 +421,13 @@ class RunConfig(Section):
     run's own record (`metrics.jsonl`, read on resume) and is required; `wandb` and `mlflow` need the
     `trackers` extra (`pip install 'fleetrl[trackers]'`)."""
     wandb_project: str = "fleetrl"
-    """W&B project of the run (the run's name is its run-dir name)."""
+    """W&B project of the run."""
+    wandb_entity: str | None = None
+    """W&B entity (user or team) the project belongs to; None: W&B's default (`WANDB_ENTITY`, else the login's)."""
+    wandb_name: str | None = None
+    """W&B run name; None: the run dir's name."""
+    wandb_tags: list[str] = []
+    """W&B tags of the run."""
     wandb_mode: Literal["offline", "online"] = "offline"
     """`offline`: W&B writes the run under `<run.dir>/wandb/` and needs no network (`wandb sync` uploads it
     later); `online` streams to the W&B server (needs a login)."""
@@ -412,8 +469,10 @@ class SFTSection(Section):
     held-out prompts and verifier, as in RL."""
 
     data: str | None = None
-    """JSONL rows `{"prompt", "response"}` or `{"messages": [...]}` (only assistant tokens are trained);
-    `fleetrl data cold-start` writes such a file for the built-in tasks."""
+    """The SFT rows: a file (JSONL, `.json`, `.parquet`, `.csv`), a dataset directory (its `train` split) or a Hub
+    dataset id, in TRL's formats: `{"messages": [...]}` (conversational), `{"prompt", "completion"}`
+    (prompt-completion: strings, or messages and the assistant's message), or `{"prompt", "response"}`. Only
+    assistant tokens are trained; `fleetrl data cold-start` writes such a file for the built-in tasks."""
 
 
 class DistillSection(Section):

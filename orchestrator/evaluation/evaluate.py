@@ -77,7 +77,12 @@ def parse_ns(text: str) -> list[int]:
 def resolve_model_dir(checkpoint: str) -> Path:
     """An HF model directory from ``--checkpoint``: the directory itself, a run's ``final/`` or a fleetrl
     checkpoint's ``policy/``."""
-    path = Path(checkpoint)
+    from common.hub import HubError, resolve
+
+    try:
+        path = Path(resolve(checkpoint, "--checkpoint").path)
+    except HubError as e:
+        raise ConfigError(str(e)) from None
     for candidate in (path, path / "final", path / "policy"):
         if (candidate / "config.json").exists():
             return candidate

@@ -56,7 +56,8 @@ class DPOLoop(Loop):
         self.pairs: list[tuple[Example, Example]] = []
         self.preferences: list[float] = []  # each offline pair's soft label, P(chosen is better)
         if cfg.algorithm.pairs:
-            renderer = ExampleRenderer(run.tokenizer, cfg.data.prompt_format, cfg.data.system_prompt)
+            renderer = ExampleRenderer(run.tokenizer, cfg.data.prompt_format, cfg.data.system_prompt,
+                                       cfg.data.chat_template_kwargs)
             rows = load_pairs(cfg.algorithm.pairs)
             self.pairs = [(renderer.completion(r["prompt"], r["chosen"]),
                            renderer.completion(r["prompt"], r["rejected"])) for r in rows]

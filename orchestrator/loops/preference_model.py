@@ -71,7 +71,8 @@ class RewardModelLoop(Loop):
         self.cfg = cfg = run.cfg
         self.tokenizer = run.tokenizer
         self.tag, self.sep = tag_id(self.tokenizer, cfg.prm.tag), step_separator(cfg)
-        self.renderer = PromptRenderer(self.tokenizer, cfg.data.prompt_format, cfg.data.system_prompt)
+        self.renderer = PromptRenderer(self.tokenizer, cfg.data.prompt_format, cfg.data.system_prompt,
+                                       cfg.data.chat_template_kwargs)
         self.train_rows, self.held = split_pairs(cfg)
         log.info("reward model pairs %s: %d training / %d held-out", cfg.algorithm.pairs, len(self.train_rows),
                  len(self.held))

@@ -64,7 +64,8 @@ class SFTLoop(Loop):
     def __init__(self, run: Run):
         super().__init__(run)
         self.cfg = cfg = run.cfg
-        renderer = ExampleRenderer(run.tokenizer, cfg.data.prompt_format, cfg.data.system_prompt)
+        renderer = ExampleRenderer(run.tokenizer, cfg.data.prompt_format, cfg.data.system_prompt,
+                                   cfg.data.chat_template_kwargs)
         self.examples = render_rows(cfg.sft.data, renderer)
         log.info("sft data %s: %d rows", cfg.sft.data, len(self.examples))
 

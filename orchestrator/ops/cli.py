@@ -15,18 +15,20 @@ from rewards.datasets import DatasetError
 
 
 def _parser() -> argparse.ArgumentParser:
+    from importlib.metadata import version
+
     p = argparse.ArgumentParser(prog="fleetrl", description="Distributed actor/learner RL post-training for LLMs.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {version('fleetrl')}")
     sub = p.add_subparsers(dest="command", required=True)
-    for name, help_ in (("train", "run RL training"), ("config", "show the resolved config")):
-        sp = sub.add_parser(name, help=help_)
-        if name == "config":
-            sp.add_argument("action", choices=["show", "docs"], help="show: resolved YAML; docs: reference table")
+    tr = sub.add_parser("train", help="run RL training")
+    tr.add_argument("--resume", help="'auto' (newest complete checkpoint of run.dir) or a checkpoint dir")
+    cf = sub.add_parser("config", help="show the resolved config, or the config reference")
+    actions = cf.add_subparsers(dest="action", required=True)
+    show = actions.add_parser("show", help="the resolved config as YAML, after every check a run makes at load")
+    actions.add_parser("docs", help="the config reference table (docs/configuration.md)")
+    for sp in (tr, show):
         sp.add_argument("-c", "--config", help="YAML config file")
         sp.add_argument("--stage", help="with a pipeline recipe as -c: the stage (its name) whose config to use")
-        if name == "train":
-            sp.add_argument("--resume", help="'auto' (newest complete checkpoint of run.dir) or a checkpoint dir")
-            sp.add_argument("--verbose", action="store_true", help="also show every actor's and engine's output "
-                            "on the console (run.verbose=true); it is in <run.dir>/logs/ either way")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=8")
     _cluster_parsers(sub)
     _eval_parsers(sub)
@@ -48,31 +50,50 @@ def _parser() -> argparse.ArgumentParser:
     im.add_argument("--target-accuracy", type=float, default=None,
                     help="embedded model only: stop the warm start at this accuracy")
     im.add_argument("--force", action="store_true", help="rebuild even if it exists")
+    for sp in _run_starting(sub):
+        sp.add_argument("--verbose", action="store_true", help="also show every actor's and engine's output on the "
+                        "console (run.verbose=true); it is in <run.dir>/logs/ either way")
     return p
+
+
+def _run_starting(sub) -> list[argparse.ArgumentParser]:
+    """The parsers of the commands that start actors (or a job that does): each takes ``--verbose``."""
+    nested = [sp for name in ("cai", "prm") for sp in _actions(sub.choices[name]).values()]
+    return [sub.choices[n] for n in ("train", "eval", "rft", "sft", "distill", "pipeline", "submit")] + nested
+
+
+def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """A command's own subcommands (`cai revise`, `prm label`, ...) by name."""
+    return next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
+ADDRESS_HELP = ("the cluster: its job API http://HOST:8265, as `ray job` takes it (the GCS that scale, stop and "
+                "status's run numbers join is derived: HOST:6379), or a GCS address HOST:PORT (the job API is then "
+                "http://HOST:8265); default: RAY_ADDRESS. Never a Ray instance found on this machine")
 
 
 def _cluster_parsers(sub) -> None:
     sm = sub.add_parser("submit", help="submit a training run to a Ray cluster as a Ray job")
     sm.add_argument("-c", "--config", help="YAML config file (inside the current directory, which is uploaded)")
     sm.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.num_workers=4")
-    sm.add_argument("--address", help="job API address, http://HOST:8265 (default: RAY_ADDRESS when it is one)")
+    sm.add_argument("--address", help=ADDRESS_HELP)
     sm.add_argument("--python", default="python", help="python executable on the cluster nodes")
     sm.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment for the job")
     st = sub.add_parser("status", help="state, step, reward, eval accuracy and throughput of a submitted run")
     st.add_argument("job", nargs="?", help="job id (default: the newest fleetrl job)")
-    st.add_argument("--address", help="job API address, http://HOST:8265 (default: RAY_ADDRESS when it is one)")
+    st.add_argument("--address", help=ADDRESS_HELP)
     st.add_argument("--json", action="store_true", help="print JSON")
     sc = sub.add_parser("scale", help="resize a running job's rollout/reward/env pools (applied at the next step)")
     sc.add_argument("--rollout", type=int, help="rollout actors wanted")
     sc.add_argument("--reward", type=int, help="reward actors wanted")
     sc.add_argument("--env", type=int, help="env actors wanted (runs started with env.num_workers >= 1)")
     sc.add_argument("--run", help="run name (its run.dir's last component); default: the only live run")
-    sc.add_argument("--address", help="Ray GCS address HOST:PORT (default: RAY_ADDRESS; required, no auto)")
+    sc.add_argument("--address", help=ADDRESS_HELP)
     sc.add_argument("--wait", type=float, default=120.0, help="seconds to wait until applied (0: don't wait)")
     sp = sub.add_parser("stop", help="graceful stop of a running job at the next step boundary (final eval, final "
                         "policy, summary; the job ends SUCCEEDED)")
     sp.add_argument("--run", help="run name (its run.dir's last component); default: the only live run")
-    sp.add_argument("--address", help="Ray GCS address HOST:PORT (default: RAY_ADDRESS; required, no auto)")
+    sp.add_argument("--address", help=ADDRESS_HELP)
     sp.add_argument("--wait", type=float, default=300.0, help="seconds to wait until it ended (0: don't wait)")
 
 
@@ -116,12 +137,17 @@ def _eval_parsers(sub) -> None:
                         "(SL-CAI: answers critiqued and revised against the principles, SFT rows) or `prefer` "
                         "(RL-CAI: response pairs labelled by a judge's option probabilities, DPO pairs); "
                         "settings in the cai section, docs/cai.md")
-    ca.add_argument("action", choices=["revise", "prefer"])
-    ca.add_argument("-c", "--config", help="YAML config file (its data.task, cai section, engines)")
-    ca.add_argument("--stage", help="with a pipeline recipe as -c: the stage (its name) whose config to use")
-    ca.add_argument("--n", type=int, required=True, help="prompts (rows)")
-    ca.add_argument("--out", required=True, help="JSONL file to write")
-    ca.add_argument("overrides", nargs="*", help="dotted overrides, e.g. cai.judge=rule")
+    cai_actions = ca.add_subparsers(dest="action", required=True)
+    for name, help_ in (("revise", "SL-CAI: the policy's answers critiqued and revised against the principles "
+                         "(SFT rows: messages, principles, revisions, critiques)"),
+                        ("prefer", "RL-CAI: response pairs labelled by a judge's option probabilities (DPO pairs: "
+                         "prompt, chosen, rejected, preference, principle)")):
+        sp = cai_actions.add_parser(name, help=help_)
+        sp.add_argument("-c", "--config", help="YAML config file (its data.task, cai section, engines)")
+        sp.add_argument("--stage", help="with a pipeline recipe as -c: the stage (its name) whose config to use")
+        sp.add_argument("--n", type=int, required=True, help="prompts (rows)")
+        sp.add_argument("--out", required=True, help="JSONL file to write")
+        sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. cai.judge=rule")
     pr = sub.add_parser("prm", help="process reward models: `label` the policy's steps by Monte-Carlo continuations "
                         "(Math-Shepherd), `train` a PRM on the labels")
     actions = pr.add_subparsers(dest="action", required=True)
@@ -153,13 +179,18 @@ def _eval_parsers(sub) -> None:
     pl.add_argument("overrides", nargs="*", help="dotted overrides applied to every stage")
     da = sub.add_parser("data", help="write training data for a built-in task: cold-start SFT rows (step-by-step "
                         "answers), or tool demonstrations (chat conversations calling env.tools)")
-    da.add_argument("action", choices=["cold-start", "tool-demos"])
-    da.add_argument("-c", "--config", help="config YAML (tool-demos: its data.task, data.system_prompt, env.tools)")
-    da.add_argument("--task", help="built-in task (cold-start: arithmetic, countdown; tool-demos: multiply, "
-                    "arithmetic, tool_choice); default: the config's data.task")
-    da.add_argument("--n", type=int, required=True, help="rows")
-    da.add_argument("--out", required=True, help="JSONL file to write")
-    da.add_argument("overrides", nargs="*", help="data.* overrides, e.g. data.prompt_style=text")
+    data_actions = da.add_subparsers(dest="action", required=True)
+    for name, help_, tasks in (("cold-start", "cold-start SFT rows: step-by-step answers of a built-in task",
+                                "arithmetic, countdown"),
+                               ("tool-demos", "tool demonstrations: chat conversations calling env.tools",
+                                "multiply, arithmetic, tool_choice")):
+        sp = data_actions.add_parser(name, help=help_)
+        sp.add_argument("-c", "--config", help="config YAML (tool-demos: its data.task, data.system_prompt, "
+                        "env.tools)")
+        sp.add_argument("--task", help=f"built-in task ({tasks}); default: the config's data.task")
+        sp.add_argument("--n", type=int, required=True, help="rows")
+        sp.add_argument("--out", required=True, help="JSONL file to write")
+        sp.add_argument("overrides", nargs="*", help="data.* overrides, e.g. data.prompt_style=text")
 
 
 def _data_command(args) -> int:
@@ -299,8 +330,15 @@ def _training(run, cfg: FleetConfig) -> int:
 
 
 def load_run_config(path: str | None, overrides: list[str], stage: str | None) -> FleetConfig:
-    """A run config, or with ``--stage NAME`` that stage of a pipeline recipe; a recipe without ``--stage`` (or
-    ``--stage`` on a run config) is a ConfigError saying which to give."""
+    """A run config, or with ``--stage NAME`` that stage of a pipeline recipe, its Hub ids resolved to local
+    snapshots (:func:`orchestrator.rl.launch.resolve_hub_ids`); a recipe without ``--stage`` (or ``--stage`` on a
+    run config) is a ConfigError saying which to give."""
+    from orchestrator.rl.launch import resolve_hub_ids
+
+    return resolve_hub_ids(_read_run_config(path, overrides, stage))
+
+
+def _read_run_config(path: str | None, overrides: list[str], stage: str | None) -> FleetConfig:
     from orchestrator.recipes.pipeline import is_recipe, load_recipe
 
     if not (path and is_recipe(path)):
@@ -345,6 +383,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    if getattr(args, "verbose", False):  # --verbose is run.verbose=true, whichever command starts the run
+        args.overrides = [*args.overrides, "run.verbose=true"]
     return args
 
 
@@ -398,10 +438,9 @@ def main(argv: list[str] | None = None, fleet=None) -> int:
                 return 2
         if args.command in COMMANDS_WITHOUT_CONFIG:
             return COMMANDS_WITHOUT_CONFIG[args.command](args, fleet)
-        overrides = args.overrides + (["run.verbose=true"] if getattr(args, "verbose", False) else [])
         if args.command == "config":
-            return _config(args, overrides)
-        cfg = load_run_config(args.config, overrides, args.stage)
+            return _config(args)
+        cfg = load_run_config(args.config, args.overrides, args.stage)
         cfg = check_and_build(args, cfg)
         from rewards.reward_model import ensure_reward_model
 
@@ -430,14 +469,14 @@ def _export(args) -> int:
     return 0
 
 
-def _config(args, overrides: list[str]) -> int:
+def _config(args) -> int:
     """`config show` (the resolved config, after the checks a run makes at load) or `config docs`."""
     if args.action == "docs":
         from orchestrator.config.docs import config_reference_markdown
 
         print(config_reference_markdown(), end="")
     else:
-        print(show_config(args.config, overrides, args.stage), end="")
+        print(show_config(args.config, args.overrides, args.stage), end="")
     return 0
 
 

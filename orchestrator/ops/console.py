@@ -191,7 +191,7 @@ def banner(cfg, actors: str, dashboard: str | None, startup_s: float | None = No
     how long they took, and where to look."""
     run = Path(cfg.run.dir)
     lines = [
-        f"fleetrl  {cfg.algorithm.name}, {cfg.trainer.total_steps} steps, model {cfg.model.path}",
+        f"fleetrl  {cfg.algorithm.name}, {cfg.trainer.total_steps} steps, model {cfg.model.source or cfg.model.path}",
         f"  actors       {actors}"
         + (f"; up {startup_s:.1f} s after the config was loaded" if startup_s is not None else ""),
         f"  run dir      {run}  (metrics.jsonl, progress.png, final/)",

@@ -50,9 +50,14 @@ def job_client(address: str | None):
             os.environ["RAY_API_SERVER_ADDRESS"] = before
 
 
+JOB_API_PORT, GCS_PORT = 8265, 6379
+"""Ray's default ports of a head node's job API (dashboard) and GCS: what one address is derived from the other by."""
+
+
 def job_address(address: str | None) -> str:
-    """The job API (dashboard) address: --address, else RAY_ADDRESS when it is an http URL; with neither a
-    LookupError says what to give (no default cluster)."""
+    """The job API (dashboard) address: --address (the job API ``http://HOST:8265``; a GCS address ``HOST:PORT``
+    gives ``http://HOST:8265``), else RAY_ADDRESS when it is an http URL; with neither a LookupError says what to
+    give (no default cluster)."""
     import os
 
     env = os.environ.get("RAY_ADDRESS", "")
@@ -60,7 +65,28 @@ def job_address(address: str | None) -> str:
     if found is None:
         raise LookupError("give the cluster's job API with --address http://HOST:8265 or RAY_ADDRESS=http://HOST:8265 "
                           "(fleetrl does not pick a cluster for you)")
-    return found
+    return found if "://" in found else f"http://{_host(found)}:{JOB_API_PORT}"
+
+
+def gcs_address(address: str | None) -> str | None:
+    """The GCS address a Ray client joins: --address when it is one (``HOST:PORT``), else RAY_ADDRESS when it is
+    one, else ``HOST:6379`` of the job API URL in --address or RAY_ADDRESS; None with neither (never a Ray instance
+    found on this machine)."""
+    import os
+
+    env = os.environ.get("RAY_ADDRESS", "")
+    if address and "://" not in address:
+        return address
+    if env and "://" not in env:
+        return env
+    named = address or env
+    return f"{_host(named)}:{GCS_PORT}" if named else None
+
+
+def _host(address: str) -> str:
+    from urllib.parse import urlsplit
+
+    return urlsplit(address if "://" in address else f"tcp://{address}").hostname or address
 
 
 def submit(config: str | None, overrides: list[str], address: str | None, python: str = "python",
@@ -104,7 +130,7 @@ def latest_job(client) -> str:
 def job_status(job_id: str | None, address: str | None) -> dict:
     """The job's state (from the job API at ``address``) and its run's latest numbers, as the driver stated them
     (:mod:`orchestrator.ops.run_status`, read from the cluster's key-value store: this joins the cluster as a Ray
-    client at ``RAY_ADDRESS``, as `fleetrl scale` does; without it the numbers are left out, with a note)."""
+    client at :func:`gcs_address`, as `fleetrl scale` does; without it the numbers are left out, with a note)."""
     _token_mode()  # before job_client imports ray
     client = job_client(address)
     job_id = job_id or latest_job(client)
@@ -116,7 +142,7 @@ def job_status(job_id: str | None, address: str | None) -> dict:
         from orchestrator.ops.run_status import read_status
 
         try:
-            _connect(None)
+            _connect(address)
         except LookupError as e:
             out["note"] = f"the run's numbers need the cluster: {e}"
             return out
@@ -177,21 +203,18 @@ def _token_mode() -> None:
 
 
 def _connect(address: str | None) -> None:
-    """Join the cluster as a Ray client: ``address`` (a GCS address), else RAY_ADDRESS when it is one. Never a Ray
-    instance found on this machine: with neither, a LookupError says what to give."""
-    import os
-
+    """Join the cluster as a Ray client at :func:`gcs_address`. Never a Ray instance found on this machine: with no
+    address, a LookupError says what to give."""
     _token_mode()
     import ray
 
     if ray.is_initialized():
         return
-    env = os.environ.get("RAY_ADDRESS", "")
-    gcs = address if address and not address.startswith("http") else (env if env and not env.startswith("http")
-                                                                       else None)
+    gcs = gcs_address(address)
     if gcs is None:
-        raise LookupError("give the cluster's GCS address with --address HOST:PORT or RAY_ADDRESS (fleetrl does not "
-                          "attach to a Ray instance it finds on this machine: it may be another user's)")
+        raise LookupError("give the cluster with --address http://HOST:8265 (its GCS is then HOST:6379), a GCS "
+                          "address HOST:PORT, or RAY_ADDRESS (fleetrl does not attach to a Ray instance it finds on "
+                          "this machine: it may be another user's)")
     reachable(gcs, "the Ray cluster (GCS)")
     ray.init(address=gcs, logging_level="ERROR", log_to_driver=False)
 

@@ -51,8 +51,10 @@ class WandbTracker:
         import wandb
 
         run_cfg = params["run"]
-        self.run = wandb.init(project=run_cfg["wandb_project"], name=run_dir.name, dir=str(run_dir),
-                              mode=run_cfg["wandb_mode"], config=params, id=ids.get("wandb"), resume="allow",
+        self.run = wandb.init(project=run_cfg["wandb_project"], entity=run_cfg["wandb_entity"],
+                              name=run_cfg["wandb_name"] or run_dir.name, tags=run_cfg["wandb_tags"] or None,
+                              dir=str(run_dir), mode=run_cfg["wandb_mode"], config=params, id=ids.get("wandb"),
+                              resume="allow",
                               settings=wandb.Settings(console="off", silent=True))
         ids["wandb"] = self.run.id
 

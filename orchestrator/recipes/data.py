@@ -1,8 +1,13 @@
-"""Supervised and preference data: JSONL rows checked line by line, rendered to the learner's token layout.
+"""Supervised and preference data: rows checked one by one, rendered to the learner's token layout.
 
-SFT rows: ``{"prompt": str | messages, "response": str}`` or ``{"messages": [...]}`` (roles system, user,
-assistant, tool; at least one assistant turn). Preference rows: ``{"prompt", "chosen", "rejected"}``, each a string or
-a message list (the chosen/rejected list is the assistant's turn(s) after the prompt).
+A data key (``sft.data``, ``algorithm.pairs``) names a JSONL file, a ``.json``, ``.parquet`` or ``.csv`` file, a
+dataset directory (Hub layout or ``save_to_disk``; its ``train`` split) or a Hub dataset id (resolved to its
+snapshot at load). TRL's formats are read as they are. SFT rows: ``{"messages": [...]}`` (conversational; roles
+system, user, assistant, tool; at least one assistant turn), ``{"prompt", "completion"}`` (prompt-completion:
+strings, or a message list and the assistant message(s)) or fleetrl's ``{"prompt", "response"}``. Preference rows:
+``{"prompt", "chosen", "rejected"}``, each a string or a message list (the chosen/rejected list is the assistant's
+turn(s) after the prompt), or without ``prompt`` (TRL's implicit prompt: chosen and rejected are whole
+conversations, the prompt is the messages they share).
 
 Rendering follows the RL prompts exactly (:class:`workers.prompts.PromptRenderer`: the tokenizer's chat template,
 or the raw text for the embedded model), so what SFT teaches is what the engines are later prompted with. Only
@@ -66,6 +71,23 @@ def read_jsonl(path: str | Path, what: str) -> list[tuple[int, dict]]:
     return rows
 
 
+def read_rows(path: str | Path, what: str) -> list[tuple[str, dict]]:
+    """``(where, row)`` of every row of a data key's source (see the module doc): ``where`` is ``file:line`` for
+    JSONL, ``file: row i`` else; an unreadable source or a bad row is a DatasetError naming it."""
+    from rewards.datasets import dataset_records
+
+    p = Path(path)
+    if p.is_file() and p.suffix not in (".parquet", ".json", ".csv"):
+        return [(f"{path}:{n}", row) for n, row in read_jsonl(path, what)]
+    if not p.exists():
+        raise DatasetError(f"{what} {path}: no such file or dataset directory")
+    records, decode = dataset_records(p)
+    rows = [(where, decode(record)) for where, record in records]
+    if not rows:
+        raise DatasetError(f"{what} {path} has no rows")
+    return rows
+
+
 def _check_messages(messages, where: str, need_assistant: bool) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise DatasetError(f"{where}: messages must be a non-empty list of {{role, content}}")
@@ -105,20 +127,22 @@ def _text_or_messages(value, where: str, key: str, need_assistant: bool = False)
 def load_sft_rows(path: str | Path) -> list[dict]:
     """SFT rows as ``{"messages": [...]}`` (a prompt/response row becomes prompt + one assistant turn)."""
     out = []
-    for n, row in read_jsonl(path, "SFT data"):
-        where = f"{path}:{n}"
+    for where, row in read_rows(path, "SFT data"):
         if "messages" in row:
             out.append({"messages": _check_messages(row["messages"], where, need_assistant=True),
                         "tools": _check_tools(row.get("tools"), where)})
-        elif "prompt" in row and "response" in row:
+        elif "prompt" in row and ("response" in row or "completion" in row):
+            key = "response" if "response" in row else "completion"
             prompt = _text_or_messages(row["prompt"], where, "prompt")
-            response = _text_or_messages(row["response"], where, "response")
-            if not isinstance(response, str):
+            response = _text_or_messages(row[key], where, key, need_assistant=not isinstance(row[key], str))
+            if key == "response" and not isinstance(response, str):
                 raise DatasetError(f"{where}: 'response' must be a string (use 'messages' for several turns)")
             head = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            out.append({"messages": [*head, {"role": "assistant", "content": response}]})
+            tail = [{"role": "assistant", "content": response}] if isinstance(response, str) else response
+            out.append({"messages": [*head, *tail]})
         else:
-            raise DatasetError(f"{where}: a row needs 'messages', or 'prompt' and 'response'; it has {sorted(row)}")
+            raise DatasetError(f"{where}: a row needs 'messages', or 'prompt' and 'completion' (or 'response'); it "
+                               f"has {sorted(row)}")
     return out
 
 
@@ -126,8 +150,9 @@ def load_pairs(path: str | Path) -> list[dict]:
     """Preference rows ``{"prompt", "chosen", "rejected"}`` and an optional soft label ``"preference"`` (the
     probability that ``chosen`` is the better one, in [0, 1]; default 1), each checked."""
     out = []
-    for n, row in read_jsonl(path, "preference pairs"):
-        where = f"{path}:{n}"
+    for where, row in read_rows(path, "preference pairs"):
+        if "prompt" not in row and "chosen" in row and "rejected" in row:
+            row = _implicit_prompt(row, where)
         missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
         if missing:
             raise DatasetError(f"{where}: a preference row needs 'prompt', 'chosen' and 'rejected'; missing {missing}")
@@ -139,6 +164,26 @@ def load_pairs(path: str | Path) -> list[dict]:
                                             not isinstance(row[k], str)) for k in ("prompt", "chosen", "rejected")},
                     "preference": float(pref)})
     return out
+
+
+def _implicit_prompt(row: dict, where: str) -> dict:
+    """TRL's implicit-prompt preference row (``chosen`` and ``rejected`` whole conversations) as an explicit one:
+    the prompt is the messages both share, the sides what follows (which must start with an assistant turn)."""
+    chosen, rejected = row["chosen"], row["rejected"]
+    if not (isinstance(chosen, list) and isinstance(rejected, list)):
+        raise DatasetError(f"{where}: a preference row without 'prompt' needs 'chosen' and 'rejected' as message "
+                           "lists that share the prompt's messages (TRL's implicit prompt)")
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    while n > 0 and isinstance(chosen[n - 1], dict) and chosen[n - 1].get("role") == "assistant":
+        n -= 1  # the prompt ends before the answer's first assistant turn
+    sides = (chosen[n:n + 1], rejected[n:n + 1])
+    if n == 0 or not all(side and isinstance(side[0], dict) and side[0].get("role") == "assistant"
+                         for side in sides):
+        raise DatasetError(f"{where}: 'chosen' and 'rejected' share no prompt messages followed by an assistant "
+                           "turn on each side (TRL's implicit prompt)")
+    return {**row, "prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
 
 
 def draw(n_rows: int, step: int, k: int, seed: int) -> list[int]:
@@ -158,9 +203,11 @@ def draw(n_rows: int, step: int, k: int, seed: int) -> list[int]:
 class ExampleRenderer:
     """Rows to :class:`Example` with the run's prompt rendering (``data.prompt_format``, ``data.system_prompt``)."""
 
-    def __init__(self, tokenizer, prompt_format: str = "auto", system_prompt: str | None = None):
-        self.prompts = PromptRenderer(tokenizer, prompt_format, system_prompt)
+    def __init__(self, tokenizer, prompt_format: str = "auto", system_prompt: str | None = None,
+                 template_kwargs: dict | None = None):
+        self.prompts = PromptRenderer(tokenizer, prompt_format, system_prompt, template_kwargs)
         self.tokenizer = tokenizer
+        self.template_kwargs = template_kwargs or {}
         self.eos = tokenizer.eos_token_id
 
     def sft(self, messages: list[dict], tools: list[str] | None = None) -> Example:
@@ -191,7 +238,8 @@ class ExampleRenderer:
         """The text the template adds for each message after ``head`` (and the generation prompt before each
         assistant turn), with whether it is trained."""
         def render(msgs, gen):
-            return self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen, tokenize=False)
+            return self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen, tokenize=False,
+                                                      **self.template_kwargs)
 
         segments, convo = [], list(head)
         for m in rest:

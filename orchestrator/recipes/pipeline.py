@@ -109,7 +109,10 @@ def config_or_stage(path: str | None, overrides: list[str], writes: str | None =
 
 
 def load_recipe(path: str | Path, cli_overrides: list[str]) -> list[Stage]:
-    """Every stage's validated config; any problem is a ConfigError naming the recipe, stage and key."""
+    """Every stage's validated config, its Hub ids resolved; any problem is a ConfigError naming the recipe,
+    stage and key."""
+    from orchestrator.rl.launch import resolve_hub_ids
+
     path = Path(path)
     recipe = _read_yaml(path, "recipe")
     unknown = set(recipe) - RECIPE_KEYS
@@ -138,7 +141,7 @@ def load_recipe(path: str | Path, cli_overrides: list[str]) -> list[Stage]:
             tree.setdefault("model", {})["path"] = str(policies[-1].dir / "final")
         if not any(o.startswith("data.seed=") for o in ovs):  # each stage its own prompts, not stage 1's again
             tree["data"]["seed"] = root["data"]["seed"] + i
-        cfg = FleetConfig.model_validate(tree)
+        cfg = resolve_hub_ids(FleetConfig.model_validate(tree))
         out.append(Stage(i + 1, name, kind, cfg, _writes(raw, kind, where)))
     return out
 

@@ -1,4 +1,4 @@
-"""``rollout.mode: async`` (issue 44): the engines generate without pause from the prompt stream, the reward actors
+"""``rollout.mode: async``: the engines generate without pause from the prompt stream, the reward actors
 score groups as they complete, the learner takes a batch as soon as ``data.prompts_per_step`` groups are ready.
 
 Two parts. :class:`Ledger` is the bookkeeping, pure (no Ray): which prompts of the stream are admitted, the

@@ -3,11 +3,12 @@ rollout engines, score them on the reward actors, and stop the run when too many
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from orchestrator.ops.metrics import PhaseTimer
-from orchestrator.rl.episode_metrics import drop_errored_groups
-from workers.records import Collected
+from orchestrator.rl.episode_metrics import drop_errored_groups, episode_return
+from workers.records import Collected, ScoredSample
 
 if TYPE_CHECKING:
     from orchestrator.rl.driver import Run
@@ -49,6 +50,33 @@ def collect(run: Run, step: int, timer: PhaseTimer) -> Collected:
     out = Collected([x for grp in groups for x in grp], errors, info, fleet.rewards.first_error)
     check_reward_errors(run, step, out)
     return out
+
+
+def mask_invalid_rewards(scored: list[ScoredSample]) -> int:
+    """The last guard before the advantages: a sample whose reward, a reward component or an episode's turn reward
+    is not finite is masked out of the update (loss mask 0); its reward becomes its group's mean valid return and its
+    other parts 0, so it moves no baseline and no NaN reaches the loss. Returns how many (``reward/invalid_samples``).
+    Every entry refuses such values first (reward functions and models: errors scored 0; environments: env_error;
+    agents: a 400), so this stays 0 unless a path is missed."""
+    groups: dict[str, list[ScoredSample]] = {}
+    for x in scored:
+        groups.setdefault(x.sample.prompt_uid, []).append(x)
+    invalid = 0
+    for group in groups.values():
+        valid = [episode_return(x) for x in group if _finite(x)]
+        for x in (x for x in group if not _finite(x)):
+            x.reward = sum(valid) / len(valid) if valid else 0.0
+            x.components = {k: v if math.isfinite(v) else 0.0 for k, v in x.components.items()}
+            if x.sample.episode is not None:
+                x.sample.episode.turn_rewards = [0.0] * len(x.sample.episode.turn_rewards)
+            x.sample.loss_mask = [0] * len(x.sample.completion_ids)
+            invalid += 1
+    return invalid
+
+
+def _finite(x: ScoredSample) -> bool:
+    return math.isfinite(episode_return(x)) and all(math.isfinite(v) for v in x.components.values()) and (
+        x.sample.episode is None or all(math.isfinite(r) for r in x.sample.episode.turn_rewards))
 
 
 def reward_calls(cfg, samples: int) -> int:

@@ -29,8 +29,9 @@ from orchestrator.rl.episode_metrics import eval_episode_metrics
 from orchestrator.rl.fleet import Fleet, Roles, check_resources, check_this_machine
 from orchestrator.rl.launch import ensure_model, init_ray, load_tokenizer, make_task
 from orchestrator.rl.learner_group import LearnerDied, Update, gather_update
+from orchestrator.rl.pools import AGENT_ENDPOINTS
 from rewards.functions import verdicts, verify_timeouts
-from workers.prompts import pad_token_id
+from workers.prompts import pad_token_id, use_chat_template
 from workers.records import Collected
 
 log = logging.getLogger("fleetrl")
@@ -109,7 +110,7 @@ class Run:
         self.run_dir = Path(cfg.run.dir)
         self.task = make_task(cfg)
         self.eval_prompts = self.task.eval_set(cfg.data.eval_size)
-        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.tokenizer = use_chat_template(load_tokenizer(cfg.model.path), cfg.data.chat_template)
         self.pad_id = pad_token_id(self.tokenizer)
         self.version = 0
         self.start_step = 0
@@ -160,6 +161,7 @@ class Run:
                     "(trainer.save_every makes runs resumable)")
             raise LearnerDied(f"{e}. The run stopped; {hint}") from e
         finally:
+            (self.run_dir / AGENT_ENDPOINTS).unlink(missing_ok=True)  # its tokens are dead: agents see the run end
             if self._fleet is not None:
                 self._close_loop()
             if fleet is None and self._fleet is not None:
@@ -325,6 +327,7 @@ class Run:
                            if "time/first_step_s" in m), None)
         return {"steps": steps, "startup_s": _round(self.startup_s), "first_step_s": _round(first_step),
                 "fleet_kept": self.fleet.kept, "algorithm": self.cfg.algorithm.name,
+                "model_source": self.cfg.model.source, "data_source": self.cfg.data.source,
                 "eval_accuracy_first": evals[0] if evals else None, "eval_accuracy_last": evals[-1] if evals else None,
                 "peak_rss_mb": self.fleet.peak_rss(),
                 **self.loop.summary()}

@@ -516,10 +516,12 @@ def model_shape(path: str) -> tuple:
 
 def teacher_config(cfg: FleetConfig) -> FleetConfig:
     """The config the `teacher-i` engines are built from: the rollout engines' settings serving ``distill.teacher``
-    (no LoRA adapter: the teacher is a whole model), ``distill.teacher_workers`` of them, with one more token of
-    context than the student's (prompt logprobs of a sequence are read with one token generated after it)."""
+    (no LoRA adapter: the teacher is a whole model; its own chat template, not ``data.chat_template``),
+    ``distill.teacher_workers`` of them, with one more token of context than the student's (prompt logprobs of a
+    sequence are read with one token generated after it)."""
     tcfg = cfg.model_copy(deep=True)
     tcfg.model.path = str(cfg.distill.teacher)
+    tcfg.data.chat_template = None
     tcfg.learner.lora.rank = 0
     tcfg.rollout.num_workers = cfg.distill.teacher_workers
     tcfg.data.max_prompt_tokens += 1
@@ -537,11 +539,11 @@ def _teacher_engines(cfg: FleetConfig):
 
 
 def feedback_config(cfg: FleetConfig) -> FleetConfig:
-    """The config the `judge-i` engines of ``cai.feedback_model`` are built from (one engine, no system prompt, room
-    for the question around a conversation and a full-length response)."""
+    """The config the `judge-i` engines of ``cai.feedback_model`` are built from (one engine, no system prompt, its
+    own chat template, room for the question around a conversation and a full-length response)."""
     judge_cfg = cfg.model_copy(deep=True)
     judge_cfg.model.path = cfg.cai.feedback_model
-    judge_cfg.data.system_prompt = None
+    judge_cfg.data.system_prompt = judge_cfg.data.chat_template = None
     judge_cfg.data.max_prompt_tokens = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens + 256
     judge_cfg.rollout.num_workers = 1
     return judge_cfg

@@ -3,6 +3,7 @@ Ray (joined or started with enough CPUs), the task, the driver's tokenizer, the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -17,8 +18,10 @@ log = logging.getLogger("fleetrl")
 
 def init_ray(cfg: FleetConfig) -> str | None:
     """Join ``run.ray_address`` (or RAY_ADDRESS, as inside a Ray job), or start a private local Ray instance with
-    enough CPUs for the configured actors. Actors' output reaches this console only with ``run.verbose`` (it is in
-    their log files either way). Returns where the Ray dashboard is, for the banner."""
+    enough CPUs for the configured actors, every port of it bound to 127.0.0.1 (:func:`_loopback_node`; a run
+    reachable from other machines joins a cluster started with ``ray start``: docs/cluster.md). Actors' output
+    reaches this console only with ``run.verbose`` (it is in their log files either way). Returns where the Ray
+    dashboard is, for the banner."""
     import math
 
     import ray
@@ -28,10 +31,77 @@ def init_ray(cfg: FleetConfig) -> str | None:
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
     quiet = {"log_to_driver": cfg.run.verbose, "logging_level": logging.INFO if cfg.run.verbose else logging.ERROR}
     if not address:
-        ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(_cpus_needed(cfg))), include_dashboard=False, **quiet)
-        return "off (a private local Ray instance; join a cluster with run.ray_address)"
+        with _loopback_node():
+            ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(_cpus_needed(cfg))), include_dashboard=False,
+                     **quiet)
+        return "off (a private local Ray instance on 127.0.0.1; join a cluster with run.ray_address)"
     url = getattr(ray.init(address=address, **quiet), "dashboard_url", None)
     return (f"http://{url}" if not url.startswith("http") else url) if url else f"the cluster's ({address})"
+
+
+MODEL_KEYS = ("model.path", "distill.teacher", "reward.model.path", "prm.path", "prm.orm_path")
+DATASET_KEYS = ("data.path", "data.eval_path", "sft.data", "algorithm.pairs")
+"""The keys that take a model or a dataset: a local path or a Hub id (:func:`resolve_hub_ids`)."""
+
+
+def resolve_hub_ids(cfg: FleetConfig) -> FleetConfig:
+    """``cfg`` with every Hub id among :data:`MODEL_KEYS` and :data:`DATASET_KEYS` rewritten to its snapshot
+    directory in the Hub cache (:func:`common.hub.resolve`), ``model.source`` and ``data.source`` recording what
+    ``model.path`` and ``data.path`` resolved to; a ConfigError naming the key when an id cannot be had. Local
+    paths and the embedded models are left as they are; a config without Hub ids is returned unchanged."""
+    from common.hub import HubError, resolve
+
+    tree, sources = cfg.model_dump(mode="json"), {}
+    for keys, repo_type in ((MODEL_KEYS, "model"), (DATASET_KEYS, "dataset")):
+        for key in keys:
+            section, _, name = key.rpartition(".")
+            node = _node(tree, section)
+            ref = node.get(name) if node is not None else None
+            if not isinstance(ref, str) or ref in EMBEDDED_MODELS:
+                continue
+            revision = cfg.model.revision if key == "model.path" else None
+            try:
+                found = resolve(ref, key, revision, repo_type)
+            except HubError as e:
+                raise ConfigError(str(e)) from None
+            if found.source:
+                node[name], sources[key] = found.path, found.source
+    if not sources:
+        return cfg
+    tree["model"]["source"] = sources.get("model.path", cfg.model.source)
+    tree["data"]["source"] = sources.get("data.path", cfg.data.source)
+    for key, source in sources.items():
+        log.info("%s: %s -> %s", key, source, _node(tree, key.rpartition(".")[0])[key.rpartition(".")[2]])
+    return FleetConfig.model_validate(tree)
+
+
+def _node(tree: dict, dotted: str) -> dict | None:
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree if isinstance(tree, dict) else None
+
+
+@contextlib.contextmanager
+def _loopback_node():
+    """While a private Ray instance starts: its node's address is 127.0.0.1, so its GCS, raylet, object manager,
+    agents and workers listen on loopback only (Ray binds a node advertised as 127.0.0.1 there, any other address
+    on every interface). On Linux Ray advertises the address of the interface that routes outward (and maps a
+    given 127.0.0.1 to it) unless told it runs as a single-machine instance, as on macOS and Windows
+    (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read at Ray's import, hence set on its constant too). The processes
+    started meanwhile keep the setting; this process's own is restored after."""
+    from ray._private import ray_constants
+
+    name, before = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, ray_constants.ENABLE_RAY_CLUSTER
+    env = os.environ.get(name)
+    os.environ[name], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+        if env is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = env
 
 
 def make_task(cfg: FleetConfig):
@@ -39,15 +109,16 @@ def make_task(cfg: FleetConfig):
     d = cfg.data
     if d.path is None:
         return make_task_from_config(d)
-    from rewards.datasets import DatasetTask
-    from workers.prompts import PromptRenderer
+    from rewards.datasets import DatasetTask, Splits
+    from workers.prompts import PromptRenderer, use_chat_template
 
-    renderer = PromptRenderer(load_tokenizer(cfg.model.path), d.prompt_format, d.system_prompt)
+    renderer = PromptRenderer(use_chat_template(load_tokenizer(cfg.model.path), d.chat_template), d.prompt_format,
+                              d.system_prompt, d.chat_template_kwargs)
     # a prompt must fit the engines' context too (the model's may be shorter than data.max_prompt_tokens)
     limit = min(d.max_prompt_tokens, max_model_len(cfg) - 1)
-    task = DatasetTask(d.path, d.prompt_field, d.answer_field, d.skip_invalid, d.eval_size, d.seed, d.eval_path,
+    task = DatasetTask(d.path, d.prompt_field, d.answer_field, d.skip_invalid, d.eval_size, d.seed,
                        too_long=lambda p: len(renderer.render(p)[1]) > limit, verifier=d.verifier,
-                       answer_form=d.answer_form)
+                       answer_form=d.answer_form, splits=Splits(d.config, d.split, d.eval_split, d.eval_path))
     log.info("dataset %s: %d train / %d eval rows; skipped %s", d.path, len(task.train_rows), len(task.eval_rows),
              task.counts)
     return task
@@ -64,8 +135,8 @@ def load_tokenizer(path: str):
 
         return saved_tokenizer_of(EMBEDDED_MODELS[path])
     if not Path(path).is_dir():
-        raise ConfigError(f"model.path: {path!r} is not a model directory (fleetrl reads local models only; "
-                          f"`make smollm2` or `fleetrl init-model --from FILE.gguf` converts one)")
+        raise ConfigError(f"model.path: {path!r} is not a model directory: give a local HF model directory or a "
+                          "Hub id org/name (`fleetrl init-model --gguf FILE.gguf --out DIR` converts a GGUF file)")
 
     import_transformers()  # without its scikit-learn hook: 2.5 s less of every run's start-up
     from transformers import AutoTokenizer
@@ -137,10 +208,11 @@ def check_model_dir(path: Path, key: str) -> None:
 
 
 def check_teacher(cfg: FleetConfig) -> Path:
-    """``distill.teacher``: a local model directory (offline and on-policy distillation read it)."""
+    """``distill.teacher``: a local model directory (offline and on-policy distillation read it; a Hub id was
+    resolved to one at load)."""
     teacher = cfg.distill.teacher
     if not teacher:
-        raise ConfigError("distill.teacher: give the teacher's local HF model directory")
+        raise ConfigError("distill.teacher: give the teacher's local HF model directory or Hub id")
     if not (Path(teacher) / "config.json").exists():
         raise ConfigError(f"distill.teacher: {teacher!r} is not a model directory (no config.json there)")
     return Path(teacher)
@@ -165,4 +237,5 @@ def ensure_model(cfg: FleetConfig) -> None:
         build_once(path, build)
         return
     raise ConfigError(f"model.path: {cfg.model.path!r} is not a model directory (no config.json there); "
-                      f"give a local HF model directory, or leave the default {EMBEDDED_MODEL_PATH!r}")
+                      f"give a local HF model directory, a Hub id org/name, or leave the default "
+                      f"{EMBEDDED_MODEL_PATH!r}")

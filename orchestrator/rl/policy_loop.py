@@ -22,7 +22,7 @@ from orchestrator.config import FleetConfig
 from orchestrator.evaluation.samples import restate_frac
 from orchestrator.ops.metrics import PhaseTimer
 from orchestrator.rl.async_rollout import AsyncRollout
-from orchestrator.rl.collect import collect
+from orchestrator.rl.collect import collect, mask_invalid_rewards
 from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
 from orchestrator.rl.episode_metrics import episode_metrics, episode_return
 from orchestrator.rl.fleet import Roles, training_roles
@@ -87,6 +87,7 @@ class PolicyLoop(Loop):
         timer = PhaseTimer()
         collected = self.rollout_batch(step, timer)
         scored = collected.scored
+        collected.info["reward/invalid_samples"] = mask_invalid_rewards(scored)  # before the batch takes the masks
         staleness = self._check_staleness(scored)
         batch = self._to_batch(scored)
         teacher, per_sample = None, None
@@ -395,8 +396,9 @@ def check_agent_template(cfg: FleetConfig) -> None:
     from orchestrator.config import ConfigError
     from orchestrator.rl.launch import load_tokenizer
     from workers.envs.renderers import TemplateNotPrefixPreserving, check_prefix_preserving
+    from workers.prompts import use_chat_template
 
-    tok = load_tokenizer(cfg.model.path)
+    tok = use_chat_template(load_tokenizer(cfg.model.path), cfg.data.chat_template)
     if not getattr(tok, "chat_template", None):
         raise ConfigError(f"env.agent={cfg.env.agent}: the tokenizer of model.path={cfg.model.path} has no chat "
                           "template (an agent's messages are rendered by it)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 
 import ray
@@ -135,6 +136,10 @@ DIED = (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError, ray.excep
 """What a call on a dead actor raises (Ray's memory monitor's kill is an ``OutOfMemoryError``)."""
 
 
+AGENT_ENDPOINTS = "agent_endpoints.json"
+"""Where in ``run.dir`` the endpoints of ``env.agent: external`` are published (0600, removed at the run's end)."""
+
+
 class RolloutPool(ActorPool):
     """The `rollout-i` actors. ``generate`` spreads prompts over workers and keeps prompt order; a replaced
     worker gets the current weights before it receives prompts."""
@@ -220,16 +225,20 @@ class RolloutPool(ActorPool):
 
     def publish_agent_endpoints(self, env: dict) -> None:
         """``<run.dir>/agent_endpoints.json``: every engine's endpoint address and token, for agents outside the
-        fleet (``env.agent: external``); rewritten before each call (a replaced actor has a new address)."""
+        fleet (``env.agent: external``); rewritten before each call (a replaced actor has a new address). Readable
+        by its owner only (it holds the tokens); the run removes it when it ends (:meth:`Run.run`)."""
         import json
+        import os
         from pathlib import Path
 
         budget = self.cfg.rollout.max_new_tokens
         addresses = ray.get([w.agent_address.remote(env, budget) for w in self.workers])
-        path = Path(self.cfg.run.dir) / "agent_endpoints.json"
+        path = Path(self.cfg.run.dir) / AGENT_ENDPOINTS
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"endpoints": addresses}, indent=1))
+        tmp.unlink(missing_ok=True)  # created anew: O_CREAT's mode applies to a new file only
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(json.dumps({"endpoints": addresses}, indent=1))
         tmp.replace(path)
 
     def option_logprobs(self, prompts: list[list[dict]], prefix: str,
@@ -351,7 +360,8 @@ class RewardPool(ActorPool):
         many reward-function calls failed."""
         parts = _chunks(samples, len(self.workers))
         outs = self.fan_out(
-            lambda w, part: w.score.remote([(s.prompt_text, s.completion_text, s.metadata) for s in part]), parts)
+            lambda w, part: w.score.remote([(s.prompt_text, s.completion_text, s.metadata) for s in part],
+                                           [(s.completion_ids, s.policy_version) for s in part]), parts)
         results, errors, self.first_error = [], 0, None
         for out, errs, timeouts, first in outs:
             results.extend(out)
@@ -362,6 +372,10 @@ class RewardPool(ActorPool):
         if self.model_pool:
             weight = self.cfg.reward.model.weight
             for x, value in zip(scored, self.model_pool.score(samples)):
+                if not math.isfinite(value):  # a learned model's NaN or inf: an error (reward/errors), scored 0
+                    errors += 1
+                    self.first_error = self.first_error or f"the reward model scored {value}, not a finite number"
+                    value = 0.0
                 x.components["reward_model"] = value
                 x.reward += weight * value
         return scored, errors

@@ -12,6 +12,7 @@ from learner.algorithms import loss_kwargs as policy_loss_kwargs
 from learner.packing import Layout
 from learner.worker import LearnerSpec, ds_config
 from orchestrator.config import FleetConfig
+from workers.prompts import read_chat_template
 from workers.rollout import EngineSpec
 
 
@@ -29,11 +30,14 @@ def log_env(cfg: FleetConfig) -> dict[str, str]:
 
 def engine_spec(cfg: FleetConfig, max_model_len: int, index: int = 0) -> EngineSpec:
     """What engine ``index`` of ``cfg``'s rollout pool serves (its seed: ``rollout.seed + index``)."""
-    r, lora = cfg.rollout, cfg.learner.lora
+    r, lora, d = cfg.rollout, cfg.learner.lora, cfg.data
     return EngineSpec(cfg.model.path, cfg.engine_dtype, max_model_len, r.kv_cache_gib, r.seed + index,
                       r.gpu_memory_utilization, r.tensor_parallel_size, enforce_eager=r.enforce_eager,
-                      prompt_format=cfg.data.prompt_format, system_prompt=cfg.data.system_prompt, stop=tuple(r.stop),
-                      partial_push=lora.enabled and lora.push == "merged", lora=lora.engine_spec())
+                      prompt_format=d.prompt_format, system_prompt=d.system_prompt, stop=tuple(r.stop),
+                      chat_template=read_chat_template(d.chat_template) if d.chat_template else None,
+                      chat_template_kwargs=d.chat_template_kwargs or None,
+                      partial_push=lora.enabled and lora.push == "merged", lora=lora.engine_spec(),
+                      trust_remote_code=cfg.model.trust_remote_code)
 
 
 def engine_threads(cfg: FleetConfig) -> int:
@@ -57,7 +61,15 @@ def learner_spec(cfg: FleetConfig, role: str = "actor") -> LearnerSpec:
                     lc.grad_clip, cfg.model.dtype)
     return LearnerSpec(cfg.model.path, cfg.model.dtype, dsc, loss_kwargs, learner_temperature(cfg), cfg.trainer.seed,
                        lc.gradient_checkpointing, role, cfg.uses_reference, lc.mixed_precision, learner_layout(cfg),
-                       lc.lora.spec() if role == "actor" or lc.lora.critic else None)
+                       lc.lora.spec() if role == "actor" or lc.lora.critic else None, load_kwargs(cfg))
+
+
+def load_kwargs(cfg: FleetConfig) -> dict:
+    """transformers' ``from_pretrained`` arguments of ``model.trust_remote_code`` and ``model.attn_implementation``
+    (only those set, so a default config's learner spec is unchanged)."""
+    m = cfg.model
+    return {**({"trust_remote_code": True} if m.trust_remote_code else {}),
+            **({"attn_implementation": m.attn_implementation} if m.attn_implementation else {})}
 
 
 def placement_key(cfg: FleetConfig) -> tuple:

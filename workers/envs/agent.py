@@ -17,7 +17,9 @@ one past ``env.episode_timeout_s`` (wall time, the model's turns included) as ``
 the endpoint's control side (:mod:`workers.envs.endpoint`): an agent claims it (``POST /v1/sessions``), calls the
 model at the ``base_url`` it gets, and finishes it with its reward (``POST /sessions/{id}/finish``). A run nobody
 claims or finishes within ``env.episode_timeout_s`` ends as ``timeout`` (``agent/unclaimed`` counts those never
-claimed). The driver writes every rollout actor's address and token to ``<run.dir>/agent_endpoints.json``.
+claimed). Chat, reward and finish on a session nobody claimed are refused (409), and session ids are random. The
+driver writes every rollout actor's address and token to ``<run.dir>/agent_endpoints.json`` (mode 0600, removed
+when the run ends).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import contextlib
 import importlib
 import inspect
 import itertools
+import secrets
 
 from common.net import free_port
 from workers.envs.endpoint import Endpoint, reward_of
@@ -84,7 +87,8 @@ class AgentRunner:
     def episode(self, prompt, metadata: dict, version, turn_seed):
         """A callable ``generate -> coroutine`` (:func:`workers.engine_loop.run_all`) running the agent once."""
         task = {**metadata, "prompt": prompt}
-        sid = f"{self.name or 'agent'}-{next(self.ids)}"
+        # an external session's id is random: an agent that claimed one cannot guess (and spoil) the others
+        sid = f"{self.name or 'agent'}-{next(self.ids) if self.fn else secrets.token_urlsafe(12)}"
 
         def start(generate):
             calls = itertools.count()
@@ -155,6 +159,9 @@ class AgentRunner:
             ep.turn_rewards[-1] += reward
         ep.termination = termination
         ep.info["agent/calls"] = session.calls
+        if self.endpoint.counts["bad_requests"]:  # requests of no session (claims) are counted on the next sample
+            ep.info["agent/bad_requests"] = ep.info.get("agent/bad_requests", 0) + self.endpoint.counts.pop(
+                "bad_requests")
         if error:
             ep.info["error"] = error
         return ep

@@ -23,8 +23,15 @@ max_new_tokens`` and to what ``env.max_total_tokens`` leaves), ``stop``, ``strea
 server-sent events). Sampling is the run's (``rollout.temperature``, ``top_p``, the sample's seed): a request that
 asks for other settings is answered with the run's and counted (``agent/overridden``). Answered 400 with a message:
 ``n`` > 1, ``response_format`` other than text, ``tool_choice`` ``required`` or a named function, malformed
-messages, a session out of calls or context. A session takes one call at a time (a second waits); a client that
-disconnects aborts its engine request and its call leaves no trace.
+messages or ``tool_calls``, a conversation too long for ``env.max_total_tokens`` (measured in characters before
+anything is tokenized: :data:`workers.envs.sessions.MAX_CHARS_PER_TOKEN`), a session out of calls or context.
+A session takes one call at a time (a second waits); a client that disconnects aborts its engine request and its
+call leaves no trace.
+
+Whatever a client sends is answered 400 naming the field, never 500, and counted in ``agent/bad_requests``: a body
+nested deeper than :data:`MAX_JSON_DEPTH`, a reward that is not a finite number (NaN, Infinity, an integer beyond
+float range), a ``wait_s`` that is not one. Chat, reward and finish on an offered session nobody claimed are
+answered 409; external session ids are random (not guessable from another's).
 """
 
 from __future__ import annotations
@@ -32,18 +39,27 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import math
 import numbers
+import re
 import secrets
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from workers.envs.renderers import ChatTemplateRenderer
+from jinja2 import TemplateError
+
+from workers.envs.renderers import ChatTemplateRenderer, TemplateNotPrefixPreserving
 from workers.envs.sessions import BadRequest, Session, SessionLimits
 
 OVERRIDABLE = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "min_p",
                "repetition_penalty")
 """Sampling settings a request may carry; a value other than the run's is answered with the run's (counted)."""
+
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects a request body may have (a tool's JSON schema needs far fewer)."""
+
+_JSON_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
 
 
 @dataclass
@@ -89,12 +105,52 @@ def parse_call(body, run_sampling: dict) -> tuple[Call, int]:
 
 
 def reward_of(value, spec: str) -> float:
-    """An agent's reward (returned by an ``env.agent`` function, or posted by an agent outside the fleet): a number,
-    or a dict of numbers (summed)."""
-    parts = value.values() if isinstance(value, dict) else [value]
-    if not parts or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in parts):
-        raise TypeError(f"env.agent {spec}: the reward {value!r} is not a number or a dict of numbers")
-    return float(sum(parts))
+    """An agent's reward (returned by an ``env.agent`` function, or posted by an agent outside the fleet): a finite
+    number, or a dict of finite numbers (summed). :class:`BadRequest` naming the field (``reward``, ``reward.<key>``)
+    otherwise: NaN, infinities and integers beyond float range are refused, never trained on."""
+    named = [(f"reward.{k}", v) for k, v in value.items()] if isinstance(value, dict) else [("reward", value)]
+    if not named:
+        raise BadRequest(f"env.agent {spec}: the reward is an empty dict, not a number or a dict of numbers", "reward")
+    total = 0.0
+    for field, v in named:
+        if not isinstance(v, numbers.Real) or isinstance(v, bool):
+            raise BadRequest(f"env.agent {spec}: {field} is a {type(v).__name__}, not a number or a dict of numbers",
+                             field)
+        try:
+            v = float(v)
+        except OverflowError:
+            raise BadRequest(f"env.agent {spec}: {field} is an integer beyond float range", field) from None
+        if not math.isfinite(v):
+            raise BadRequest(f"env.agent {spec}: {field} is {v}: a reward must be a finite number", field)
+        total += v
+    if not math.isfinite(total):
+        raise BadRequest(f"env.agent {spec}: the reward's parts sum to {total}", "reward")
+    return total
+
+
+def parse_json(body: bytes):
+    """A request body: UTF-8 JSON nested at most :data:`MAX_JSON_DEPTH` deep (checked on the text before parsing, so
+    a hostile body never reaches the parser's recursion); :class:`BadRequest` naming the top-level field otherwise."""
+    try:
+        raw = body.decode()
+    except UnicodeDecodeError:
+        raise BadRequest("the request body is not UTF-8 JSON") from None
+    depth, key = 0, None
+    for token in _JSON_TOKENS.finditer(raw):
+        t = token.group()
+        if t[0] == '"':
+            key = t if depth == 1 else key
+        elif t in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise BadRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels",
+                                 key[1:-1][:64] if key else None)
+        else:
+            depth -= 1
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        raise BadRequest("the request body is not JSON") from None
 
 
 @dataclass
@@ -197,20 +253,25 @@ class Endpoint:
         denied = self._denied(request)
         if denied:
             return denied
-        entry = self.sessions.get(request.match_info["sid"])
+        sid = request.match_info["sid"]
+        entry = self.sessions.get(sid)
         if entry is None:
-            return _error(404, f"no open session {request.match_info['sid']!r}", "not_found_error")
+            return _error(404, f"no open session {sid!r}", "not_found_error")
+        if sid in self.offers and not self.offers[sid].claimed:
+            return _unclaimed(sid)
         session, generate, version, lock = entry
         try:
-            body = await request.json()
-        except ValueError:
-            return self._bad(session, BadRequest("the request body is not JSON"))
+            body = parse_json(await request.read())
+        except BadRequest as e:
+            return self._bad(session, e)
         async with lock:
             try:
                 call, overridden = parse_call(body, self.sampling)
                 traj, budget = session.prepare(call.messages, call.tools, _retry(request))
             except BadRequest as e:
                 return self._bad(session, e)
+            except (TemplateError, TemplateNotPrefixPreserving) as e:  # tools or messages the template cannot take
+                return self._bad(session, BadRequest(f"the chat template cannot render them: {e}"[:300], "messages"))
             session.counts["overridden"] += overridden
             sent = version()
             try:
@@ -241,12 +302,10 @@ class Endpoint:
         if denied:
             return denied
         try:
-            body = await request.json() if request.can_read_body else {}
-            wait_s = float(body.get("wait_s", 0) if isinstance(body, dict) else "x")
-        except (ValueError, TypeError):
-            return _error(400, "the body must be a JSON object, optionally {\"wait_s\": seconds}",
-                          "invalid_request_error", "wait_s")
-        deadline = time.monotonic() + min(max(wait_s, 0.0), 30.0)
+            wait_s = _wait_s(parse_json(await request.read()) if request.can_read_body else {})
+        except BadRequest as e:
+            return self._bad(None, e)
+        deadline = time.monotonic() + wait_s
         while True:
             while self.waiting:
                 sid = self.waiting.popleft()
@@ -272,17 +331,19 @@ class Endpoint:
             return denied
         sid = request.match_info["sid"]
         offer = self.offers.get(sid)
-        if offer is None or not offer.claimed or offer.done.done():
+        if offer is None or offer.done.done():
             return _error(404, f"no claimed, unfinished session {sid!r} (env.agent: external)", "not_found_error")
+        if not offer.claimed:
+            return _unclaimed(sid)
         try:
-            body = await request.json() if request.can_read_body else {}
+            body = parse_json(await request.read()) if request.can_read_body else {}
             if not isinstance(body, dict) or (not finish and "reward" not in body):
-                raise TypeError("a JSON object with \"reward\"")
+                raise BadRequest("the body must be a JSON object with \"reward\"", "reward")
             if "reward" in body:
                 reward_of(body["reward"], "external")
                 offer.reward = body["reward"]
-        except (ValueError, TypeError) as e:
-            return _error(400, f"reward: {e}", "invalid_request_error", "reward")
+        except BadRequest as e:
+            return self._bad(self.sessions[sid][0], e)
         if finish:
             offer.done.set_result(offer.reward)
         return web.json_response({"session_id": sid, "reward": offer.reward, "finished": finish})
@@ -297,9 +358,30 @@ class Endpoint:
         self.counts["unauthorized"] += 1
         return _error(401, "missing or wrong API key (Authorization: Bearer <token>)", "authentication_error")
 
-    def _bad(self, session: Session, e: BadRequest):
-        session.counts["bad_requests"] += 1
+    def _bad(self, session: Session | None, e: BadRequest):
+        """A 400 naming the field, counted on ``session`` (None: a request of no session, counted on the endpoint
+        and handed to the next finished session's sample, :meth:`AgentRunner._finish`)."""
+        (session.counts if session is not None else self.counts)["bad_requests"] += 1
         return _error(400, str(e), "invalid_request_error", e.param)
+
+
+def _wait_s(body) -> float:
+    """A claim's ``wait_s``: a finite number of seconds, clamped to [0, 30]."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object, optionally {\"wait_s\": seconds}", "wait_s")
+    wait_s = body.get("wait_s", 0)
+    try:
+        seconds = float(wait_s) if isinstance(wait_s, numbers.Real) and not isinstance(wait_s, bool) else math.nan
+    except OverflowError:  # an integer beyond float range
+        seconds = math.inf
+    if not math.isfinite(seconds):
+        raise BadRequest(f"wait_s={str(wait_s)[:40]}: a finite number of seconds (at most 30 are waited)", "wait_s")
+    return min(max(seconds, 0.0), 30.0)
+
+
+def _unclaimed(sid: str):
+    return _error(409, f"session {sid!r} is offered but not claimed: claim it first (POST /v1/sessions)",
+                  "conflict_error")
 
 
 def _retry(request) -> bool | None:

@@ -19,6 +19,7 @@ observation that would overflow it is not appended), ``truncated`` (a turn hit t
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -131,7 +132,10 @@ async def _play(env, renderer: Renderer, task: dict, seed: int, limits: EpisodeL
             return
         result = await clock.run(call(env.step, Action(list(turn.token_ids), turn.text, turn.finish_reason, calls)))
         _count_tools(ep, calls, result.info)
-        ep.turn_rewards.append(float(result.reward))
+        reward = float(result.reward)
+        if not math.isfinite(reward):  # ends the episode as env_error: its group is dropped, nothing trains on it
+            raise ValueError(f"the environment's step returned reward={reward}: a turn's reward must be finite")
+        ep.turn_rewards.append(reward)
         if turn.finish_reason == "length":  # a turn cut unfinished ends the episode, and says so
             ep.termination = "max_total_tokens" if budget <= limits.max_new_tokens else "truncated"
             return

@@ -28,6 +28,11 @@ from workers.envs.renderers import ChatTemplateRenderer
 
 _UNSET = object()
 
+MAX_CHARS_PER_TOKEN = 16
+"""A call whose messages, tool-call arguments and tools hold more than ``env.max_total_tokens`` times this many
+characters cannot fit the session's context (no tokenizer averages 16 characters per token on text): it is refused
+(400) before anything is rendered or tokenized, so a huge message does not hold the loop that steps the engine."""
+
 
 class BadRequest(ValueError):
     """A request the endpoint answers with HTTP 400; ``param`` names the offending field."""
@@ -75,12 +80,20 @@ def _arguments(raw) -> dict:
 
 
 def normalize(message) -> tuple:
-    """What identifies a message when the client echoes it back (extra fields an SDK adds are ignored)."""
+    """What identifies a message when the client echoes it back (extra fields an SDK adds are ignored); a message
+    of the wrong shape is a :class:`BadRequest`."""
     if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool",
                                                                       "developer"):
         raise BadRequest("each message needs a role of system, developer, user, assistant or tool", "messages")
-    calls = tuple((c.get("id"), c.get("function", {}).get("name"), json.dumps(_arguments(
-        c.get("function", {}).get("arguments")), sort_keys=True)) for c in message.get("tool_calls") or ())
+    raw = message.get("tool_calls") or []
+    if not isinstance(raw, list) or not all(isinstance(c, dict) and isinstance(c.get("id"), str | None) and isinstance(
+            c.get("function"), dict) and isinstance(c["function"].get("name"), str) for c in raw):
+        raise BadRequest('tool_calls must be a list of {"id": string, "function": {"name": string, "arguments": '
+                         'JSON string}} objects', "messages")
+    if not all(isinstance(message.get(k), str | None) for k in ("tool_call_id", "name")):
+        raise BadRequest("a message's tool_call_id and name must be strings", "messages")
+    calls = tuple((c.get("id"), c["function"]["name"], json.dumps(_arguments(c["function"].get("arguments")),
+                                                                  sort_keys=True)) for c in raw)
     return (message["role"], _text(message.get("content")), calls, message.get("tool_call_id"))
 
 
@@ -130,6 +143,10 @@ class Session:
         if self.calls >= self.limits.max_turns:
             raise BadRequest(f"this session has made its {self.limits.max_turns} calls (env.max_turns)", "messages")
         keys = [normalize(m) for m in messages]
+        chars = sum(len(text) + sum(len(c[2]) for c in calls) for _, text, calls, _ in keys) + len(json.dumps(tools))
+        if chars > self.limits.max_total_tokens * MAX_CHARS_PER_TOKEN:
+            raise BadRequest(f"the messages hold {chars} characters: more than env.max_total_tokens="
+                             f"{self.limits.max_total_tokens} tokens can hold", "messages")
         traj = self._continue(messages, keys, tools, retry)
         self.calls += 1
         budget = self.limits.max_total_tokens - len(traj.episode.token_ids)

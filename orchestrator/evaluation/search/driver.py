@@ -74,7 +74,8 @@ class Searcher:
 
         self.cfg, self.rollouts, self.prm, self.orm = cfg, rollouts, prm, orm
         self.tokenizer, self.sep, self.answer_key = tokenizer, separator, answer_key
-        self.renderer = PromptRenderer(tokenizer, cfg.data.prompt_format, cfg.data.system_prompt)
+        self.renderer = PromptRenderer(tokenizer, cfg.data.prompt_format, cfg.data.system_prompt,
+                                       cfg.data.chat_template_kwargs)
         self.calls = 0  # distinct seeds for every generate call
 
     # ---- generation -----------------------------------------------------------------------------------------
@@ -279,6 +280,7 @@ def run_search(cfg: FleetConfig, checkpoint: str | None, methods: list[str], bud
     from orchestrator.rl.fleet import Fleet, Roles
     from orchestrator.rl.launch import init_ray, load_tokenizer, make_task
     from orchestrator.rl.steps import step_separator
+    from workers.prompts import use_chat_template
 
     cfg = cfg.model_copy(deep=True)
     if checkpoint:
@@ -290,7 +292,7 @@ def run_search(cfg: FleetConfig, checkpoint: str | None, methods: list[str], bud
         raise ConfigError("orm_best_of_n needs prm.orm_path (`fleetrl prm train prm.target=outcome`)")
     task = make_task(cfg)
     prompts = task.eval_set(cfg.data.eval_size)
-    tokenizer = load_tokenizer(cfg.model.path)
+    tokenizer = use_chat_template(load_tokenizer(cfg.model.path), cfg.data.chat_template)
     init_ray(cfg)
     fleet = Fleet.for_run(fleet, cfg, Roles(rollout=True, prm=needs_prm, orm="orm_best_of_n" in methods))
     searcher = Searcher(cfg, fleet.rollouts, fleet.prm, fleet.orm, tokenizer, step_separator(cfg), task.answer_key)
