@@ -31,8 +31,11 @@ model: setup
 smollm2: setup
 	$(VENV)/bin/fleetrl init-model --from smollm2-135m-instruct
 
+# a second `make train` starts over (--overwrite deletes the first run's runs/default); a killed one continues with
+# `make train TRAIN_ARGS="--resume auto"` (or `fleetrl train -c configs/default.yaml --resume auto`)
+TRAIN_ARGS ?= --overwrite
 train: model
-	$(VENV)/bin/fleetrl train -c configs/default.yaml
+	$(VENV)/bin/fleetrl train -c configs/default.yaml $(TRAIN_ARGS)
 
 # ruff (with its size rules C901 and PLR0913), and mypy on the learner and the config package ([tool.mypy])
 lint: setup

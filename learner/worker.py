@@ -8,6 +8,7 @@ only in what the driver puts in the batch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
@@ -73,6 +74,7 @@ class LearnerSpec:
     layout: Layout = field(default_factory=Layout)
     lora: dict | None = None
     load_kwargs: dict = field(default_factory=dict)  # from_pretrained's: trust_remote_code, attn_implementation
+    schedule: dict | None = None  # lr_factor's keywords (kind, warmup, total, min_ratio); None: ds_config's
 
 
 class LearnerWorker(LoggedActor):
@@ -156,7 +158,9 @@ class LearnerWorker(LoggedActor):
             self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # from_pretrained returns eval mode, where transformers skips gradient checkpointing
         trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=spec.ds_config)
+        scheduler = functools.partial(lr_scheduler, **spec.schedule) if spec.schedule else None
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=spec.ds_config,
+                                               lr_scheduler=scheduler)
         _load_checkpoints_weights_only(self.engine)
         # the registered loss (learner.losses.LOSSES) this group trains with, and its settings
         self.objective = spec.loss_kwargs.get("objective", "value" if role == "critic" else "policy")
@@ -230,7 +234,7 @@ class LearnerWorker(LoggedActor):
         t0 = time.perf_counter()
         loss_fn = self._critic_loss if self.role == "critic" else self._actor_loss
         sums: dict[str, float] = defaultdict(float)
-        n_steps = 0
+        n_steps, lr = 0, self.engine.get_lr()[0]  # the LR of this call's first optimizer step
         for epoch in range(epochs):
             for i, shard in enumerate(minibatches):
                 micro = self._micro(shard, micro_batch_size)
@@ -260,7 +264,7 @@ class LearnerWorker(LoggedActor):
                 sums[f"{self.role}/skipped_step_frac"] += skipped / self.world_size
                 n_steps += 1
         out = {k: v if k.endswith("_max") else v / n_steps for k, v in sums.items()}
-        out[f"{self.role}/lr"] = self.engine.get_lr()[0] / self.world_size
+        out[f"{self.role}/lr"] = lr / self.world_size
         out[f"time/{self.role}_compute_s"] = (time.perf_counter() - t0) / self.world_size
         out.update(_memory_metrics(self.role))
         return out
@@ -517,6 +521,30 @@ def _concat(parts: list, shard: TrainBatch):
     import torch
 
     return torch.cat(parts)[: shard.size]
+
+
+def lr_factor(step: int, kind: str, warmup: int, total: int, min_ratio: float) -> float:
+    """The LR at optimizer step ``step`` (0-based) as a fraction of the peak: linear warmup over ``warmup`` steps
+    (step i gets (i + 1) / warmup), then ``constant``, or ``linear`` / ``cosine`` decay to ``min_ratio`` at step
+    ``total`` and ``min_ratio`` after it."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    shape = 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * shape
+
+
+def lr_scheduler(optimizer, **schedule):
+    """A torch LambdaLR of :func:`lr_factor` (DeepSpeed steps it at each optimizer step and checkpoints it)."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    return LambdaLR(optimizer, functools.partial(_factor_of, schedule))
+
+
+def _factor_of(schedule: dict, step: int) -> float:
+    return lr_factor(step, **schedule)
 
 
 def ds_config(micro_batch_size: int, grad_accum: int, world_size: int, zero_stage: int, lr: float,

@@ -1,4 +1,4 @@
-"""Finite rewards or no reward (issue 65): a NaN or an infinity from a reward function or an environment is an
+"""Finite rewards or no reward: a NaN or an infinity from a reward function or an environment is an
 error at its entry (counted, scored 0 or the episode errored), and a sample that still reaches the step without a
 finite reward is masked out of the update, so one careless value never makes the step's loss NaN. The agent
 endpoint's side (a 400 naming the field) is tests/test_agent_endpoint.py's table."""
@@ -6,6 +6,7 @@ endpoint's side (a 400 naming the field) is tests/test_agent_endpoint.py's table
 import copy
 import math
 
+import pytest
 import torch
 
 from learner.algorithms import advantage_inputs, assemble_advantages
@@ -24,6 +25,13 @@ def careless(prompt, completion, metadata):
     """A reward function that returns NaN, an infinity, an integer beyond float range or a NaN component."""
     return {"nan": math.nan, "inf": -math.inf, "big": 10 ** 400, "dict": {"a": math.nan, "b": 1.0}}.get(completion,
                                                                                                         1.0)
+
+
+def careless_sometimes(prompt, completion, metadata):
+    """1.0, or NaN for about one sample in eight (by a hash of the text, so a run is repeatable)."""
+    import zlib
+
+    return math.nan if zlib.crc32(f"{prompt}|{completion}".encode()) % 8 == 0 else 1.0
 
 
 def test_a_reward_function_returning_a_non_finite_value_is_an_error_scored_0():
@@ -86,3 +94,26 @@ def test_a_sample_without_a_finite_reward_is_masked_out_and_the_loss_stays_finit
     assert scored[2].reward == 2 / 3 and scored[6].reward == 0.5 / 3  # the group's mean valid return
     assert adv[0, 0] > 0 > adv[1, 0] and adv[2].abs().sum() == 0 and adv[6].abs().sum() == 0
     assert torch.equal(adv[8:], _loss(scored[8:])[1])  # a group without a bad sample is untouched
+
+
+@pytest.mark.e2e
+def test_a_run_whose_reward_returns_nan_for_some_samples_trains_every_step():
+    """Only this test guards finite rewards end to end: with a reward function that returns NaN for about one sample
+    in eight, every step of `fleetrl train` on the shared fleet updates with a finite loss, and the NaNs are counted
+    as reward errors (not a NaN step mean, not a skipped update)."""
+    import math
+    import tempfile
+    from pathlib import Path
+
+    from tests.test_e2e import run_fleetrl
+
+    run_dir = Path(tempfile.mkdtemp(prefix="fleetrl-nan-")) / "run"
+    careless = "{name: 'tests.test_finite_rewards:careless_sometimes'}"
+    rows = run_fleetrl(run_dir, f"reward.functions=[{{name: math}}, {careless}]", "trainer.total_steps=3",
+                       "trainer.eval_every=0", "rollout.num_workers=1", "learner.num_ranks=1", "learner.zero_stage=0")
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2], rows
+    for r in steps:
+        assert math.isfinite(r["loss"]) and math.isfinite(r["reward/mean"]), r
+        assert r.get("learner/skipped_step_frac", 0.0) == 0.0, r
+    assert sum(r["reward/errors"] for r in steps) > 0, steps  # the NaNs were counted

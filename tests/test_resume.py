@@ -171,3 +171,44 @@ def test_full_disk_during_checkpoint_keeps_previous_one(tmp_path):
         assert ckpt.load_state(good) == {"step": 1, "policy_version": 1}
     finally:
         subprocess.run(["umount", "-l", str(mnt)])
+
+
+@pytest.mark.own_fleet
+@pytest.mark.e2e
+def test_sigterm_checkpoints_exits_143_and_resumes(tmp_path):
+    """SIGTERM (a preempted node) during a run with no checkpoint cadence: the step ends, a checkpoint of it is
+    written, one line says so, the run's status is `preempted` and the process exits 143; `--resume auto`
+    continues from that step (and ends with the final policy)."""
+    import signal
+    import time
+
+    from tests.test_e2e import train
+
+    run_dir = tmp_path / "run"
+    small = ["trainer.eval_every=0", "trainer.save_every_s=0", "rollout.num_workers=1", "learner.num_ranks=1",
+             "learner.zero_stage=0"]
+    env = subprocess_env(RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", **shared_ray_env())
+    cmd = [sys.executable, "-m", "orchestrator", "train", f"run.dir={run_dir}", "trainer.total_steps=200", *small]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics, deadline = run_dir / "metrics.jsonl", time.time() + 400
+        while not (metrics.exists() and "reward/mean" in metrics.read_text()) and proc.poll() is None:
+            assert time.time() < deadline, "no step within 400 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, out[-4000:]
+    (found,) = ckpt_dirs = sorted((run_dir / "checkpoints").glob("step_*"))
+    step = json.loads((found / "trainer_state.json").read_text())["step"]
+    assert (found / "COMPLETE").exists() and 1 <= step < 200, ckpt_dirs
+    assert f"fleetrl: SIGTERM: stopped after step {step - 1}; resume with `--resume auto` from {found}" in out, out
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "preempted"
+    assert not (run_dir / "final").exists()
+
+    r = train(run_dir, f"trainer.total_steps={step + 1}", *small, "--resume", "auto")
+    assert r.returncode == 0 and f"resumed from {found} at step {step}" in r.stdout, (r.stdout + r.stderr)[-4000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == list(range(step + 2))  # each step once; the last row is the final one
+    assert (run_dir / "final" / "config.json").exists()

@@ -315,9 +315,15 @@ class LearnerConfig(Section):
     zero_stage: int = Field(2, ge=0, le=3)
     """DeepSpeed ZeRO stage."""
     lr: float = Field(3e-5, gt=0.0, le=1.0)
-    """AdamW learning rate (constant after warmup)."""
+    """AdamW learning rate: the peak, after warmup (`lr_schedule`)."""
     warmup_steps: int = Field(0, ge=0)
     """Linear LR warmup, in optimizer steps."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """The LR after warmup: `constant`, or decayed to `min_lr_ratio * lr` over the run's optimizer steps
+    (`trainer.total_steps * num_minibatches * epochs`) linearly (TRL's default) or on a half cosine; it stays there
+    if a run takes more optimizer steps. Its state is checkpointed with the optimizer's."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """`linear` and `cosine`: the LR at the end of the decay, as a fraction of `lr`."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -380,12 +386,20 @@ class TrainerConfig(Section):
     """Steps in a row whose update is skipped for a NaN/Inf loss or gradient before the run stops."""
     save_every: int = Field(0, ge=0)
     """Write a resumable checkpoint every this many steps (0 disables)."""
+    save_every_s: float = Field(300.0, ge=0.0)
+    """Also write one when this many seconds have passed since the last (checked after each step; 0 disables), so
+    a killed run can `--resume auto`. Measured on the embedded default: MEASURED."""
     keep_checkpoints: int = Field(2, ge=1)
     """How many complete checkpoints to keep (oldest deleted first)."""
     time_budget_s: float | None = Field(None, gt=0)
     """Stop training after this many seconds (then a final eval); None runs all `total_steps`."""
     eval_every: int = Field(25, ge=0)
     """Run a held-out eval every this many steps (and at step 0 and the last step); 0 disables evals."""
+    keep_best: str | None = None
+    """An eval metric (e.g. `eval/accuracy`; higher is better): the policy of the best eval so far is kept as
+    `<run.dir>/best/` (an HF model, as `final/`, with `fleetrl_best.json` naming the step and value), exported
+    at each eval that improves on it (the cost of one `final/` export: `time/keep_best_s`). A pipeline stage's
+    `pass: best` hands it to the next stage instead of `final/`. None: only `final/`."""
     seed: int = 0
     """Seed of the learner (torch) and driver RNGs."""
     show_samples: int = Field(2, ge=0, le=100)
@@ -393,6 +407,13 @@ class TrainerConfig(Section):
     TensorBoard / W&B / MLflow at every eval; every eval's completions are in `<run.dir>/evals/step_N.jsonl`."""
     torch_threads: int = Field(1, ge=1)
     """torch intra-op threads per actor (keep small: actors share the machine's cores)."""
+
+    @field_validator("keep_best")
+    @classmethod
+    def _check_keep_best(cls, key: str | None) -> str | None:
+        if key is not None and not key.startswith("eval/"):
+            raise ValueError(f"{key!r} is not an eval metric: give one the held-out eval logs, e.g. eval/accuracy")
+        return key
 
 
 class RunConfig(Section):

@@ -15,7 +15,6 @@ Run`; :class:`RFTLoop` is the training step); one row per round goes to ``<run.d
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from orchestrator.config import ConfigError, FleetConfig
 from orchestrator.loops.sft import objective_config
@@ -109,8 +108,5 @@ def run_rft(cfg: FleetConfig, rounds: int | None = None, resume: str | None = No
     """Check the run directory, start (or join) Ray, run the rounds; returns the per-round rows."""
     from orchestrator.rl.driver import run_training
 
-    cfg = rft_config(cfg, rounds)
-    if (Path(cfg.run.dir) / "metrics.jsonl").exists() and not resume:
-        raise ConfigError(f"run.dir={cfg.run.dir} holds a training run (metrics.jsonl); RFT would overwrite its "
-                          "final policy: give a fresh run.dir (and the trained policy as model.path)")
+    cfg = rft_config(cfg, rounds)  # an earlier run in run.dir is refused by run_training, as for every loop
     return run_training(cfg, resume, loop=RFTLoop, fleet=fleet)

@@ -21,7 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {version('fleetrl')}")
     sub = p.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="run RL training")
-    tr.add_argument("--resume", help="'auto' (newest complete checkpoint of run.dir) or a checkpoint dir")
+    _resume_args(tr)
     cf = sub.add_parser("config", help="show the resolved config, or the config reference")
     actions = cf.add_subparsers(dest="action", required=True)
     show = actions.add_parser("show", help="the resolved config as YAML, after every check a run makes at load")
@@ -54,6 +54,15 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--verbose", action="store_true", help="also show every actor's and engine's output on the "
                         "console (run.verbose=true); it is in <run.dir>/logs/ either way")
     return p
+
+
+def _resume_args(parser: argparse.ArgumentParser) -> None:
+    """A training command's ``--resume`` and ``--overwrite`` (one or the other): a run dir that holds an earlier run
+    is refused without one (:func:`orchestrator.rl.checkpoint.check_new_run_dir`)."""
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--resume", help="'auto' (newest complete checkpoint of run.dir) or a checkpoint dir")
+    how.add_argument("--overwrite", action="store_true", help="start over in a run.dir that holds an earlier run: "
+                     "its metrics, checkpoints, final policy, evals and logs are deleted first")
 
 
 def _run_starting(sub) -> list[argparse.ArgumentParser]:
@@ -155,7 +164,7 @@ def _eval_parsers(sub) -> None:
     label.add_argument("--out", help="the JSONL to write (default: <run.dir>/prm_labels.jsonl)")
     train = actions.add_parser("train", help="train a PRM on the learner group (prm.labels or --labels)")
     train.add_argument("--labels", help="the labels JSONL (default: prm.labels)")
-    train.add_argument("--resume", help="'auto' or a checkpoint dir")
+    _resume_args(train)
     for sp in (label, train):
         sp.add_argument("-c", "--config", help="YAML config file (task, model, engines, prm.*)")
         sp.add_argument("--stage", help="with a pipeline recipe as -c: the stage (its name) whose config to use")
@@ -171,7 +180,7 @@ def _eval_parsers(sub) -> None:
         sp.add_argument("-c", "--config", help="YAML config file")
         sp.add_argument("--stage", help="with a pipeline recipe as -c: the stage (its name) whose config to use")
     for sp in (rf, *[sub.choices[n] for n in ("sft", "distill")]):
-        sp.add_argument("--resume", help="'auto' (newest complete checkpoint of run.dir) or a checkpoint dir")
+        _resume_args(sp)
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=8")
     pl = sub.add_parser("pipeline", help="run a recipe: stages (sft, rl, rft, distill, dpo) in order, each from the "
                         "previous stage's model; rerun the same command to resume after a crash")
@@ -244,7 +253,13 @@ def _eval(args, cfg: FleetConfig, fleet) -> int:
 
 
 def _run_training_command(args, cfg: FleetConfig, fleet) -> None:
-    """`train`, `prm train`, `rft`, `sft`, `distill`."""
+    """`train`, `prm train`, `rft`, `sft`, `distill`; ``--overwrite`` deletes the earlier run first."""
+    if args.overwrite:
+        from orchestrator.rl.checkpoint import clear_run
+
+        gone = clear_run(Path(cfg.run.dir))
+        if gone:
+            print(f"fleetrl: --overwrite: deleted the earlier run's {', '.join(gone)} in {cfg.run.dir}", flush=True)
     if args.command == "prm":
         from orchestrator.loops.process_reward import run_prm_train
 
@@ -312,11 +327,13 @@ def _training(run, cfg: FleetConfig) -> int:
     """Run a training command: a failure inside an actor is reported with the actor's name and its log file."""
     from orchestrator.ops.console import describe_failure
     from orchestrator.rl.collect import RewardsFailing
-    from orchestrator.rl.driver import BadTraining, CheckpointFailed
+    from orchestrator.rl.driver import PREEMPTED_EXIT, BadTraining, CheckpointFailed, Preempted
     from orchestrator.rl.learner_group import LearnerDied
 
     try:
         run()
+    except Preempted:  # the driver printed where it stopped and the checkpoint to resume from
+        return PREEMPTED_EXIT
     except (LearnerDied, BadTraining, CheckpointFailed, RewardsFailing) as e:
         print(f"fleetrl: {e}", file=sys.stderr)
         return 1

@@ -52,14 +52,19 @@ from rewards.datasets import DatasetError, read_yaml_mapping
 
 COMMANDS = {"sft": "sft", "rl": "train", "rft": "rft", "distill": "distill", "dpo": "train", "reward_model": "train"}
 """Stage kind -> the `fleetrl` command that runs it."""
-RECIPE_KEYS = {"base", "stages", "description"}
+RECIPE_KEYS = {"base", "stages", "description", "guard"}
+GUARD_ACTIONS = ("warn", "rollback", "stop")
+DEFAULT_GUARD = {"action": "warn", "margin": 0.02}
+"""The stage guard (recipe key ``guard``): a stage whose held-out accuracy at its end is below its accuracy at its
+start (its first eval, of the policy it was handed) by more than ``margin`` is reported (``warn``), or the policy
+it was handed goes on to the next stage instead (``rollback``), or the pipeline stops (``stop``)."""
 DATA_KEYS = {"cold_start": ("sft",), "tool_demos": ("sft",), "cai_revisions": ("sft",),
              "ai_preferences": ("dpo", "reward_model")}
 """Stage keys that make a stage write its own data first (``N`` rows: ``fleetrl data cold-start|tool-demos``,
 ``fleetrl cai revise|prefer``), and the stage kinds each is for."""
 PAIR_KINDS = ("dpo", "reward_model")
 """Stage kinds whose algorithm section is replaced by their own (``algorithm.name`` = the kind), reading pairs."""
-STAGE_KEYS = {"name", "kind", "overrides", *DATA_KEYS}
+STAGE_KEYS = {"name", "kind", "overrides", "pass", *DATA_KEYS}
 
 
 @dataclass
@@ -69,6 +74,7 @@ class Stage:
     kind: str
     cfg: FleetConfig
     writes: tuple[str, int] | None = None  # (a DATA_KEYS entry, rows): data this sft stage writes first
+    hands: str = "final"  # what the next stage trains from: final/, or best/ (the stage's `pass: best`)
 
     @property
     def dir(self) -> Path:
@@ -120,6 +126,7 @@ def load_recipe(path: str | Path, cli_overrides: list[str]) -> list[Stage]:
         raise ConfigError(f"{path}: unknown recipe key(s) {sorted(unknown)}; allowed: {sorted(RECIPE_KEYS)}")
     base = recipe.get("base", {})
     base_tree = _read_yaml(path.parent / base, "base config") if isinstance(base, str) else dict(base)
+    load_guard(recipe, path)
     stages = recipe.get("stages")
     if not isinstance(stages, list) or not stages:
         raise ConfigError(f"{path}: 'stages' must be a non-empty list of {{name, kind, overrides}}")
@@ -142,8 +149,30 @@ def load_recipe(path: str | Path, cli_overrides: list[str]) -> list[Stage]:
         if not any(o.startswith("data.seed=") for o in ovs):  # each stage its own prompts, not stage 1's again
             tree["data"]["seed"] = root["data"]["seed"] + i
         cfg = resolve_hub_ids(FleetConfig.model_validate(tree))
-        out.append(Stage(i + 1, name, kind, cfg, _writes(raw, kind, where)))
+        out.append(Stage(i + 1, name, kind, cfg, _writes(raw, kind, where), _hands(raw, cfg, where)))
     return out
+
+
+def _hands(raw: dict, cfg: FleetConfig, where: str) -> str:
+    """A stage's ``pass``: ``final`` (default) or ``best`` (needs ``trainer.keep_best``)."""
+    hands = raw.get("pass", "final")
+    if hands not in ("final", "best"):
+        raise ConfigError(f"{where}: 'pass' must be final or best, got {hands!r}")
+    if hands == "best" and not (cfg.trainer.keep_best and cfg.trainer.eval_every):
+        raise ConfigError(f"{where}: 'pass: best' hands on the best evaluated policy: set trainer.keep_best (e.g. "
+                          "eval/accuracy) and trainer.eval_every > 0 for this stage")
+    return hands
+
+
+def load_guard(recipe: dict, path) -> dict:
+    """The recipe's ``guard`` over :data:`DEFAULT_GUARD`, checked."""
+    given = recipe.get("guard") or {}
+    guard = {**DEFAULT_GUARD, **given} if isinstance(given, dict) else None
+    if guard is None or set(guard) != set(DEFAULT_GUARD) or guard["action"] not in GUARD_ACTIONS or \
+            isinstance(guard["margin"], bool) or not isinstance(guard["margin"], int | float) or guard["margin"] < 0:
+        raise ConfigError(f"{path}: 'guard' must be {{action: one of {list(GUARD_ACTIONS)}, margin: a number >= 0}}, "
+                          f"got {given!r}")
+    return guard
 
 
 def _stage_head(raw, where: str, names: set[str]) -> tuple[str, str]:
@@ -364,6 +393,39 @@ class StageFailed(RuntimeError):
     pass
 
 
+def check_stage(st: Stage, row: dict, guard: dict) -> bool:
+    """The stage guard on a finished stage (:data:`DEFAULT_GUARD`): records in ``row`` what the next stage trains
+    from (``model``: the stage's final/ or best/, or with ``rollback`` the policy it was handed) and, when the
+    stage lowered held-out accuracy past the margin, ``guard``; False when the pipeline must stop."""
+    result = json.loads((st.dir / "summary.json").read_text())
+    if st.hands == "best" and result.get("best"):
+        row["model"] = str(st.dir / "best")
+    first, end = result.get("eval_accuracy_first"), result.get("eval_accuracy_last")
+    if st.hands == "best" and result.get("best"):
+        end = result["best"]["value"]
+    if first is None or end is None or first - end <= guard["margin"] + 1e-9:  # a drop of exactly the margin passes
+        return True
+    action = guard["action"]
+    row["guard"] = {"start": first, "end": end, "margin": guard["margin"], "action": action}
+    line = (f"pipeline: guard: stage {st.index} {st.name} lowered held-out accuracy {first:.3f} -> {end:.3f} "
+            f"(margin {guard['margin']})")
+    if action == "rollback":
+        row["model"] = st.cfg.model.path
+        line += f"; the next stage trains from the policy this stage was handed ({st.cfg.model.path})"
+    print(line + ("" if action == "rollback" else f" (guard.action: {action})"), flush=True)
+    return action != "stop"
+
+
+def hand_on(st: Stage, model: str | None, stages: list[Stage]) -> None:
+    """Later stages that train from ``st``'s final/ train from ``model`` instead (its best/, or a rollback)."""
+    final = str(st.dir / "final")
+    if not model or model == final:
+        return
+    for later in stages[st.index:]:
+        if later.cfg.model.path == final:
+            later.cfg = later.cfg.model_copy(update={"model": later.cfg.model.model_copy(update={"path": model})})
+
+
 def run_pipeline(recipe: str, overrides: list[str], fleet=None) -> int:
     """`fleetrl pipeline`: every stage not finished yet, in order, on ``fleet`` (kept up afterwards) or on a
     fleet of its own; the exit status."""
@@ -382,12 +444,19 @@ def run_pipeline(recipe: str, overrides: list[str], fleet=None) -> int:
     init_ray(stages[0].cfg)
     own = fleet is None
     fleet = fleet or Fleet(stages[0].cfg, Roles())  # no actor yet: the first stage that runs starts what it uses
+    guard = load_guard(_read_yaml(Path(recipe), "recipe"), recipe)
     try:
         for st, row in zip(stages, summary.rows):
             if row["status"] == "finished" and (st.dir / "final" / "config.json").exists():
                 print(f"pipeline: stage {st.index} {st.name} finished already (accuracy {row['accuracy']})")
-                continue
-            run_stage(st, summary, row, fleet)
+            else:
+                run_stage(st, summary, row, fleet)
+                if not check_stage(st, row, guard):
+                    summary.write()
+                    raise StageFailed(f"stage {st.index} ({st.name}) lowered held-out accuracy by more than "
+                                      f"{guard['margin']} (guard.action: stop); its policy is {st.dir / 'final'}")
+                summary.write()
+            hand_on(st, row["model"], stages)
     except StageFailed as e:
         print(summary.table())
         print(f"fleetrl: {e}", file=sys.stderr)

@@ -16,6 +16,7 @@ import json
 import shutil
 from pathlib import Path
 
+from orchestrator.config import ConfigError
 from workers.records import Collected, EpisodeStats, Sample, ScoredSample
 
 MARKER = "COMPLETE"
@@ -100,6 +101,40 @@ def check_checkpoint(path: Path) -> Path:
     if not (path / "learner").is_dir():
         raise FileNotFoundError(f"checkpoint {path}: no learner state (learner/); resume from another checkpoint")
     return path
+
+
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "final", "checkpoints", "config.yaml", "status.json", "trackers.json",
+               "progress.png", "evals", "rollouts", "logs", "tensorboard", "wandb", "mlflow.db", "mlflow-artifacts")
+"""What a training run writes in its run dir (``--overwrite`` deletes these and nothing else: a distill run's teacher
+data, a PRM run's labels and any file of the user's stay)."""
+
+
+def earlier_run(run_dir: Path) -> list[str]:
+    """What of an earlier run ``run_dir`` holds: the steps it logged, its summary, final policy, checkpoints."""
+    metrics = run_dir / "metrics.jsonl"
+    found = ["metrics.jsonl"] if metrics.exists() and metrics.stat().st_size else []
+    found += [name for name in ("summary.json", "final") if (run_dir / name).exists()]
+    root = checkpoint_root(run_dir)
+    return found + (["checkpoints/"] if root.is_dir() and any(root.glob("step_*")) else [])
+
+
+def check_new_run_dir(run_dir: Path) -> None:
+    """A run that is not resumed starts in a run dir without an earlier run (else a ConfigError naming the ways
+    out), so no run's metrics and checkpoints are ever silently replaced."""
+    found = earlier_run(run_dir)
+    if found:
+        raise ConfigError(f"run.dir={run_dir} holds an earlier run ({', '.join(found)}): continue it with "
+                          "`--resume auto`, or start over with `--overwrite` (deletes that run's files), or give "
+                          "another run.dir")
+
+
+def clear_run(run_dir: Path) -> list[str]:
+    """``--overwrite``: delete what an earlier run wrote in ``run_dir`` (:data:`RUN_OUTPUTS`); the names deleted."""
+    gone = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    for name in gone:
+        path = run_dir / name
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    return gone
 
 
 def load_state(path: Path) -> dict:

@@ -9,11 +9,14 @@ reward model, the PRM, RFT) holds its run and says what one training step is; th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -116,6 +119,8 @@ class Run:
         self.start_step = 0
         self.engines_stale = False  # a supervised step updated the learner: push before the engines generate
         self.stop_requested = False  # `fleetrl stop`: end at the next step boundary
+        self.preempted = False  # SIGTERM: checkpoint and exit at the next step boundary (:func:`on_sigterm`)
+        self.last_save = time.perf_counter()  # trainer.save_every_s counts from the last checkpoint (or first step)
         self.resume_from = ckpt.resolve(resume, self.run_dir) if resume else None
         self.judge = None  # the `judge` reward (rewards/judge.py), checked before any actor starts
         if cfg.judge_spec:
@@ -152,13 +157,13 @@ class Run:
             return self._steps(fleet)
         except BaseException as e:
             if self._status is not None:
-                self._status.finish("failed")
+                self._status.finish("preempted" if isinstance(e, Preempted) else "failed")
             if not isinstance(e, LearnerDied):
                 raise
             found = ckpt.complete_checkpoints(self.run_dir)
             hint = (f"resume with `fleetrl train ... --resume auto` (newest complete checkpoint: {found[-1]})"
                     if found else "no checkpoint was written yet, so it cannot resume: restart it "
-                    "(trainer.save_every makes runs resumable)")
+                    "(trainer.save_every_s and trainer.save_every make runs resumable)")
             raise LearnerDied(f"{e}. The run stopped; {hint}") from e
         finally:
             (self.run_dir / AGENT_ENDPOINTS).unlink(missing_ok=True)  # its tokens are dead: agents see the run end
@@ -230,8 +235,8 @@ class Run:
             state = self.loop.checkpoint_state()
             if state is not None:  # async: the stream's position and the prompts in flight
                 (stage / "loop_state.json").write_text(json.dumps(state))
-            ckpt.commit(self.run_dir, stage, next_step, {"step": next_step, "policy_version": self.version},
-                        dump_config(self.cfg), self.cfg.trainer.keep_checkpoints)
+            path = ckpt.commit(self.run_dir, stage, next_step, {"step": next_step, "policy_version": self.version},
+                               dump_config(self.cfg), self.cfg.trainer.keep_checkpoints)
         except (OSError, RuntimeError) as e:  # a full disk surfaces as OSError or as torch.save's RuntimeError
             shutil.rmtree(stage, ignore_errors=True)
             previous = ckpt.complete_checkpoints(self.run_dir)
@@ -240,12 +245,14 @@ class Run:
                 f"checkpoint at step {next_step} failed ({str(e).splitlines()[-1][:200]}); {free_mb:.1f} MB free "
                 f"on {self.run_dir} (is the disk full?); the previous checkpoint "
                 f"{previous[-1] if previous else '(none)'} is intact") from e
-        return time.perf_counter() - t0
+        self.last_save = time.perf_counter()
+        self.console.print(f"checkpoint step {next_step}: {path} ({self.last_save - t0:.2f}s)")
+        return self.last_save - t0
 
     def _steps(self, fleet: Fleet | None) -> list[dict]:
         self.start(fleet)
         total, budget = self.cfg.trainer.total_steps, self.cfg.trainer.time_budget_s
-        t0 = time.perf_counter()
+        t0 = self.last_save = time.perf_counter()
         bad_steps = 0
         self.console.start(total, self.start_step)
         for step in range(self.start_step, total + 1):
@@ -254,6 +261,7 @@ class Run:
             metrics = {"step": step, "policy_version": self.version}
             if self._is_eval_step(step) or (last and self.cfg.trainer.eval_every):
                 metrics.update(self.loop.evaluate(step))
+                self._keep_best(step, metrics)
             if not last:
                 bad_steps = self._train_step(step, metrics, bad_steps)
             self.metrics.log(metrics)
@@ -262,9 +270,30 @@ class Run:
             self.console.step(metrics)
             if last:
                 break
+            if self.preempted:
+                self._preempt(step + 1, saved="time/checkpoint_s" in metrics, bad_steps=bad_steps)
         self.console.close()
         self.finish(time.perf_counter() - t0)
         return self.metrics.history
+
+    def _keep_best(self, step: int, metrics: dict) -> None:
+        """``trainer.keep_best``: export the evaluated policy as ``best/`` when its metric beats the kept one's
+        (written beside, then renamed into place: a crash never leaves half a ``best/``)."""
+        key = self.cfg.trainer.keep_best
+        if not key or key not in metrics:
+            return
+        best, t0 = self.run_dir / "best", time.perf_counter()
+        kept = best_record(best)
+        if kept is not None and metrics[key] <= kept["value"]:
+            return
+        tmp = self.run_dir / ".best.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.fleet.learner.save_hf(str(tmp))
+        self.loop.on_final(tmp)
+        (tmp / BEST_RECORD).write_text(json.dumps({"metric": key, "value": metrics[key], "step": step}))
+        shutil.rmtree(best, ignore_errors=True)
+        tmp.rename(best)
+        metrics["time/keep_best_s"] = time.perf_counter() - t0
 
     def _train_step(self, step: int, metrics: dict, bad_steps: int) -> int:
         """The loop's step, its metrics into ``metrics``, a checkpoint on the cadence; the bad steps in a row."""
@@ -274,11 +303,23 @@ class Run:
             metrics.update({"time/startup_s": self.startup_s,
                             "time/first_step_s": time.perf_counter() - self.t_config})
         bad_steps = self._count_bad_step(result, metrics, bad_steps)
-        save_every = self.cfg.trainer.save_every
-        if save_every and (step + 1) % save_every == 0 and not bad_steps:
+        every, every_s = self.cfg.trainer.save_every, self.cfg.trainer.save_every_s
+        due = (every and (step + 1) % every == 0) or (every_s and time.perf_counter() - self.last_save >= every_s)
+        if due and not bad_steps:
             metrics["time/checkpoint_s"] = self.save_checkpoint(step + 1)
         self._warn(step, result, bad_steps)
         return bad_steps
+
+    def _preempt(self, next_step: int, saved: bool, bad_steps: int) -> None:
+        """SIGTERM arrived during the step that just ended: checkpoint it (unless the cadence just did, or its
+        update was skipped: checkpoints follow good steps only) and stop the run (:class:`Preempted`)."""
+        if not (saved or bad_steps):
+            self.save_checkpoint(next_step)
+        found = ckpt.complete_checkpoints(self.run_dir)
+        where = f"resume with `--resume auto` from {found[-1]}" if found else "no checkpoint to resume from"
+        self.console.close()
+        self.console.print(f"fleetrl: SIGTERM: stopped after step {next_step - 1}; {where}")
+        raise Preempted(f"stopped by SIGTERM after step {next_step - 1}; {where}")
 
     def _warn(self, step: int, result: StepResult, bad_steps: int) -> None:
         """The per-step warnings that matter on the console: a skipped update, failed reward calls."""
@@ -329,6 +370,7 @@ class Run:
                 "fleet_kept": self.fleet.kept, "algorithm": self.cfg.algorithm.name,
                 "model_source": self.cfg.model.source, "data_source": self.cfg.data.source,
                 "eval_accuracy_first": evals[0] if evals else None, "eval_accuracy_last": evals[-1] if evals else None,
+                "best": best_record(self.run_dir / "best"),
                 "peak_rss_mb": self.fleet.peak_rss(),
                 **self.loop.summary()}
 
@@ -412,6 +454,24 @@ class BadTraining(RuntimeError):
     """Too many consecutive steps with non-finite gradients."""
 
 
+class Preempted(RuntimeError):
+    """The run was stopped by SIGTERM at a step boundary, its checkpoint written (`fleetrl` exits 143)."""
+
+
+PREEMPTED_EXIT = 128 + signal.SIGTERM
+"""`fleetrl`'s exit status after a SIGTERM (a shell's for a process the signal ended)."""
+
+
+BEST_RECORD = "fleetrl_best.json"
+"""In ``best/`` (``trainer.keep_best``): the metric, its value and the step of the kept policy."""
+
+
+def best_record(best: Path) -> dict | None:
+    """``best/``'s record, or None when no policy has been kept."""
+    path = best / BEST_RECORD
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 1)
 
@@ -438,6 +498,8 @@ def run_training(cfg: FleetConfig, resume: str | None = None, loop: type[Loop] |
         cfg = loop.prepare(cfg)
     if resume:
         ckpt.resolve(resume, Path(cfg.run.dir))  # a broken checkpoint is named before anything is written
+    else:
+        ckpt.check_new_run_dir(Path(cfg.run.dir))  # an earlier run there is never silently replaced
     if fleet is None and not (cfg.run.ray_address or os.environ.get("RAY_ADDRESS")):
         check_this_machine(cfg, loop.roles(cfg))  # a private instance: cores and memory, before Ray starts
     ensure_model(cfg)  # the embedded model, built when missing: after every check (1.5 min on 2 cores)
@@ -451,7 +513,29 @@ def run_training(cfg: FleetConfig, resume: str | None = None, loop: type[Loop] |
     run.dashboard = init_ray(cfg)
     if fleet is None:
         check_resources(cfg, loop.roles(cfg))  # GPUs or resources the cluster lacks: refused before any actor
-    return run.run(fleet)
+    with on_sigterm(run):
+        return run.run(fleet)
+
+
+@contextlib.contextmanager
+def on_sigterm(run: Run):
+    """While ``run`` runs, SIGTERM (a preempted node) ends it at the next step boundary with a checkpoint
+    (:meth:`Run._preempt`); a second SIGTERM kills the process at once. Installed after ``ray.init``, which sets
+    its own handler (``sys.exit``); that one is back afterwards. Outside the main thread nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        run.preempted = True
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        log.warning("SIGTERM: stopping after this step with a checkpoint (a second SIGTERM kills the run now)")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 DRIVER_MODULES = ("orchestrator.ops.trackers", "orchestrator.ops.controller", "orchestrator.rl.weight_sync",

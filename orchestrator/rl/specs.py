@@ -57,11 +57,20 @@ def learner_spec(cfg: FleetConfig, role: str = "actor") -> LearnerSpec:
     loss_kwargs = critic_loss_kwargs(cfg.algorithm) if role == "critic" else policy_loss_kwargs(cfg.algorithm)
     gas = cfg.micro_batches_per_rank()
     micro = (cfg.sequences_per_step // (lc.num_ranks * lc.num_minibatches)) // gas
-    dsc = ds_config(micro, gas, lc.num_ranks, lc.zero_stage, lr, lc.betas, lc.weight_decay, lc.warmup_steps,
-                    lc.grad_clip, cfg.model.dtype)
+    decays = lc.lr_schedule != "constant"  # then the warmup is the schedule's too, not DeepSpeed's WarmupLR
+    dsc = ds_config(micro, gas, lc.num_ranks, lc.zero_stage, lr, lc.betas, lc.weight_decay,
+                    0 if decays else lc.warmup_steps, lc.grad_clip, cfg.model.dtype)
     return LearnerSpec(cfg.model.path, cfg.model.dtype, dsc, loss_kwargs, learner_temperature(cfg), cfg.trainer.seed,
                        lc.gradient_checkpointing, role, cfg.uses_reference, lc.mixed_precision, learner_layout(cfg),
-                       lc.lora.spec() if role == "actor" or lc.lora.critic else None, load_kwargs(cfg))
+                       lc.lora.spec() if role == "actor" or lc.lora.critic else None, load_kwargs(cfg),
+                       lr_schedule(cfg) if decays else None)
+
+
+def lr_schedule(cfg: FleetConfig) -> dict:
+    """:func:`learner.worker.lr_factor`'s keywords for ``learner.lr_schedule`` over the run's optimizer steps."""
+    lc = cfg.learner
+    return {"kind": lc.lr_schedule, "warmup": lc.warmup_steps, "min_ratio": lc.min_lr_ratio,
+            "total": cfg.trainer.total_steps * lc.num_minibatches * lc.epochs}
 
 
 def load_kwargs(cfg: FleetConfig) -> dict:
