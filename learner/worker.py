@@ -175,11 +175,12 @@ class LearnerWorker(LoggedActor):
         return self.name
 
     # ---- forward passes -------------------------------------------------------------------------------
-    def _forward(self, model, mb: TrainBatch, with_entropy: bool = False):
+    def _forward(self, model, mb: TrainBatch, with_entropy: bool = False, temperature: float | None = None):
         """``(logp [b, T], entropy [b, T] or None)`` of the micro-batch's response tokens (see
-        :func:`learner.forward.policy_logprobs`). Training passes go through the engine (``model`` is
-        ``self.engine``), no-grad passes may call its module."""
-        return policy_logprobs(model, mb, self.layout, self.temperature, with_entropy, self.device, self.autocast)
+        :func:`learner.forward.policy_logprobs`) at ``temperature`` (default: the spec's). Training passes go
+        through the engine (``model`` is ``self.engine``), no-grad passes may call its module."""
+        t = self.temperature if temperature is None else temperature
+        return policy_logprobs(model, mb, self.layout, t, with_entropy, self.device, self.autocast)
 
     def _ref_logprobs(self, mb: TrainBatch):
         """The reference policy's logprobs ``[b, T]`` (no grad): the frozen copy, or with LoRA the policy with its
@@ -215,14 +216,15 @@ class LearnerWorker(LoggedActor):
             return _concat([self._values(self.engine.module, mb).cpu() for mb in self._micro(shard, micro_batch_size)],
                            shard)
 
-    def compute_logprobs(self, shard: TrainBatch, micro_batch_size: int) -> dict:
-        """Policy (before the update) and reference logprobs of the shard's response tokens, ``[b, T]`` each."""
+    def compute_logprobs(self, shard: TrainBatch, micro_batch_size: int, temperature: float | None = None) -> dict:
+        """Policy (before the update) and reference logprobs of the shard's response tokens, ``[b, T]`` each;
+        ``temperature``: the policy's at another temperature than the spec's (the mismatch doctor)."""
         import torch
 
         old, ref = [], []
         with torch.no_grad():
             for mb in self._micro(shard, micro_batch_size):
-                old.append(self._forward(self.engine, mb)[0].cpu())
+                old.append(self._forward(self.engine, mb, temperature=temperature)[0].cpu())
                 if self.has_ref:
                     ref.append(self._ref_logprobs(mb).cpu())
         return {"old_logprobs": _concat(old, shard), "ref_logprobs": _concat(ref, shard) if ref else None}
@@ -301,8 +303,8 @@ class LearnerWorker(LoggedActor):
         """The objective's loss of one micro-batch (policy gradient, SFT, DPO: :func:`learner.losses.call_loss`).
         When the driver sent no reference logprobs the reference forward runs here, fused into the training pass
         (no separate round trip); when it sent no old logprobs (a batch used once) this first pass's own logprobs
-        are the old ones. On the first pass over a policy-gradient batch (weights not yet updated) the largest
-        |learner - engine| logprob gap of the sampled tokens is measured for free."""
+        are the old ones. On the first pass over a policy-gradient batch (weights not yet updated) the
+        |learner - engine| logprob gap of the sampled tokens is measured for free (largest, p99 bound, sum)."""
         from learner.losses import call_loss
 
         if mb.ref_logprobs is None and self.has_ref:
@@ -318,8 +320,13 @@ class LearnerWorker(LoggedActor):
                   "rollout_logp": mb.rollout_logprobs, "targets": mb.targets}
         loss, metrics = call_loss(self.objective, inputs, self.loss_kwargs)
         if first_pass and "rollout_logp" in self.reads:
-            gap = ((logp.detach() - mb.rollout_logprobs).abs() * mb.response_mask).max()
-            metrics["actor/rollout_logprob_gap_max"] = gap
+            gap = ((logp.detach() - mb.rollout_logprobs).abs() * mb.response_mask)
+            metrics["actor/rollout_logprob_gap_max"] = gap.max()
+            # additive shares for the batch's mean; the micro-batches' largest p99 bounds the batch's p99
+            metrics["actor/rollout_logprob_gap_sum"] = gap.sum()
+            metrics["actor/rollout_logprob_gap_tokens"] = mb.response_mask.sum()
+            mask = mb.response_mask > 0
+            metrics["actor/rollout_logprob_gap_p99_max"] = gap[mask].quantile(0.99) if mask.any() else gap.max()
         return loss, metrics
 
     def _critic_loss(self, mb: TrainBatch, first_pass: bool = False):
@@ -379,6 +386,15 @@ class LearnerWorker(LoggedActor):
 
         refs = [ray.put(to_object(plan, chunk)) for plan, chunk in self._gathered(bucket_mb) if self.rank == 0]
         return refs
+
+    def weight_checksums(self, bucket_mb: float) -> dict[str, tuple[float, float]]:
+        """Rank 0: ``name -> (sum, sum of |x|)`` in float64 of every floating tensor a push sends (the engines
+        record the same of what they received: the mismatch doctor compares them)."""
+        import torch
+
+        return {name: (float(t.sum(dtype=torch.float64)), float(t.abs().sum(dtype=torch.float64)))
+                for plan, chunk in self._gathered(bucket_mb) if self.rank == 0
+                for name, t in zip(plan.names, chunk) if t.is_floating_point()}
 
     # ---- collective weight push (rollout.weight_sync=collective) ---------------------------------------
     def weight_specs(self) -> list:

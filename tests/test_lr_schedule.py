@@ -45,10 +45,17 @@ def test_the_learner_spec_carries_the_schedule_over_the_run_s_optimizer_steps():
 @pytest.mark.e2e
 def test_a_run_s_learner_lr_follows_the_schedule(tmp_path):
     """Only this test guards the schedule reaching DeepSpeed's engine in the learner ranks: 3 steps of linear decay
-    to 0 train at lr x 1, 2/3 and 1/3 (`actor/lr`, the LR of each step's optimizer step)."""
+    to 0 train at lr x 1, 2/3 and 1/3 (`actor/lr`, the LR of each step's optimizer step). The same run guards the
+    sampled evals (`trainer.eval_samples`): pass@1 over k samples and maj@k beside greedy accuracy."""
     from tests.test_e2e import run_fleetrl
 
     rows = run_fleetrl(tmp_path / "run", "learner.lr_schedule=linear", "learner.lr=3e-4", "trainer.total_steps=3",
-                       "trainer.eval_every=0", "rollout.num_workers=1", "learner.num_ranks=1", "learner.zero_stage=0")
+                       "trainer.eval_every=3", "trainer.eval_samples=4", "data.eval_size=32", "rollout.num_workers=1",
+                       "learner.num_ranks=1", "learner.zero_stage=0")
     lrs = [r["actor/lr"] for r in rows if "actor/lr" in r]
     assert lrs == pytest.approx([3e-4, 2e-4, 1e-4]), lrs
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 3]
+    assert 0.0 < evals[0]["eval/pass@1"] < 1.0, evals[0]  # the base model is right on some samples at T = 1
+    for r in evals:  # 32 prompts x 4 samples: a multiple of 1/128; the voted answers: of 1/32
+        assert (r["eval/pass@1"] * 128).is_integer() and (r["eval/maj@4"] * 32).is_integer(), r

@@ -439,6 +439,10 @@ class RolloutWorker(LoggedActor):
         """The engine's parameters under vLLM's names (see ``fleetrl_named_weights``), from its first worker."""
         return self._on_engine(lambda: self.llm.collective_rpc("fleetrl_named_weights")[0], "engine_weights")
 
+    def push_checksums(self) -> dict:
+        """Per-tensor checksums of what the last push delivered (``fleetrl_push_checksums``), from the first worker."""
+        return self._on_engine(lambda: self.llm.collective_rpc("fleetrl_push_checksums")[0], "push_checksums")
+
     def stats(self) -> dict:
         import torch
 

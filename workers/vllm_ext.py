@@ -41,11 +41,15 @@ class WeightSyncExtension:
         """Load checkpoint-format weights in place; returns the number of tensors loaded."""
         count = 0
         dtype = self.model_runner.model_config.dtype  # the engine's (e.g. bf16 engines under an fp32 learner)
+        self._fleetrl_push_sums = {}
 
         def counted():
             nonlocal count
             for name, tensor in weights:
                 count += 1
+                if tensor.is_floating_point():  # as received, before the cast: compared with the learner's
+                    self._fleetrl_push_sums[name] = (float(tensor.sum(dtype=torch.float64)),
+                                                      float(tensor.abs().sum(dtype=torch.float64)))
                 # cast here, not in vLLM's loader, which warns once per tensor on every push when dtypes differ
                 yield name, tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
 
@@ -53,6 +57,11 @@ class WeightSyncExtension:
         self.reload_weights(weights_iterator=counted())
         self._fleetrl_retie_embeddings()
         return count
+
+    def fleetrl_push_checksums(self) -> dict[str, tuple[float, float]]:
+        """``name -> (sum, sum of |x|)`` in float64 of every floating tensor the last push delivered, as received
+        (the mismatch doctor compares them with the learner's); empty before the first push."""
+        return dict(getattr(self, "_fleetrl_push_sums", {}))
 
     def fleetrl_expect_partial_push(self) -> None:
         """Pushes will carry only some layers (a LoRA run's merged push sends the blocks with adapters): every

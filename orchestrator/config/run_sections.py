@@ -236,6 +236,12 @@ class RolloutConfig(Section):
     """Engine dtype; `auto` = model.dtype. A lower precision than the learner's (bf16 engines, fp32 learner)
     generates faster; the learner's own first-pass logprobs are the old logprobs and the truncated IS
     (`algorithm.tis_cap`) corrects for the engine/learner gap."""
+    max_logprob_gap: float | None = Field(0.5, gt=0.0)
+    """Before step 0 the mismatch doctor (`orchestrator/rl/doctor.py`, also `fleetrl doctor -c ...`) samples a
+    small batch and compares the engines' logprobs of its tokens with the learner's; a run whose p99 |gap| (nats)
+    is above this is refused, the message naming the cause (a corrupted push, the sampling temperature or top-p,
+    the engines' dtype) and the fix. None: no check. Measured p99 with SmolLM2-135M: fp32 3e-5, bf16 engines and
+    autocast learner 0.25; a learner at T=1 scoring T=0.7 samples 1.25."""
     stop: list[str] = Field(default_factory=list)
     """Stop strings: generation also ends where the text produces one of these (the string is kept in the
     completion and trained on). Generation always stops at the model's EOS / end-of-turn tokens (its
@@ -387,14 +393,21 @@ class TrainerConfig(Section):
     save_every: int = Field(0, ge=0)
     """Write a resumable checkpoint every this many steps (0 disables)."""
     save_every_s: float = Field(300.0, ge=0.0)
-    """Also write one when this many seconds have passed since the last (checked after each step; 0 disables), so
-    a killed run can `--resume auto`. Measured on the embedded default: MEASURED."""
+    """Also write one after the first step that ends this many seconds after the last checkpoint (or the first step),
+    so a killed run can `--resume auto` (0 disables). One checkpoint of the embedded default (`make train`: 12 MB,
+    2 learner ranks, ZeRO-2) takes 0.08-0.15 s against 0.4 s steps, on 2 busy cores of an Intel Xeon (family 6,
+    model 167)."""
     keep_checkpoints: int = Field(2, ge=1)
     """How many complete checkpoints to keep (oldest deleted first)."""
     time_budget_s: float | None = Field(None, gt=0)
     """Stop training after this many seconds (then a final eval); None runs all `total_steps`."""
     eval_every: int = Field(25, ge=0)
     """Run a held-out eval every this many steps (and at step 0 and the last step); 0 disables evals."""
+    eval_samples: int = Field(0, ge=0, le=64)
+    """k > 0: each eval also samples k completions of every held-out prompt at `rollout.temperature` and logs
+    `eval/pass@1` (their accuracy, averaged: pass@1 over k samples) and `eval/maj@k` (the accuracy of the
+    majority-voted answer, the task's answer key) beside the greedy `eval/accuracy`; it costs k sampled
+    completions per held-out prompt. 0: greedy only."""
     keep_best: str | None = None
     """An eval metric (e.g. `eval/accuracy`; higher is better): the policy of the best eval so far is kept as
     `<run.dir>/best/` (an HF model, as `final/`, with `fleetrl_best.json` naming the step and value), exported

@@ -26,7 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     actions = cf.add_subparsers(dest="action", required=True)
     show = actions.add_parser("show", help="the resolved config as YAML, after every check a run makes at load")
     actions.add_parser("docs", help="the config reference table (docs/configuration.md)")
-    for sp in (tr, show):
+    dr = sub.add_parser("doctor", help="the engine/learner mismatch doctor: logprob gap of a small batch and its "
+                        "cause (exit 1 above rollout.max_logprob_gap)")
+    for sp in (tr, show, dr):
         sp.add_argument("-c", "--config", help="YAML config file")
         sp.add_argument("--stage", help="with a pipeline recipe as -c: the stage (its name) whose config to use")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=8")
@@ -68,7 +70,7 @@ def _resume_args(parser: argparse.ArgumentParser) -> None:
 def _run_starting(sub) -> list[argparse.ArgumentParser]:
     """The parsers of the commands that start actors (or a job that does): each takes ``--verbose``."""
     nested = [sp for name in ("cai", "prm") for sp in _actions(sub.choices[name]).values()]
-    return [sub.choices[n] for n in ("train", "eval", "rft", "sft", "distill", "pipeline", "submit")] + nested
+    return [sub.choices[n] for n in ("train", "eval", "rft", "sft", "distill", "pipeline", "submit", "doctor")] + nested
 
 
 def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -230,6 +232,12 @@ def _config_command(args, cfg: FleetConfig, fleet) -> int:
 
         print(json.dumps((revise if args.action == "revise" else prefer)(cfg, args.n, args.out, fleet=fleet)))
         return 0
+    if args.command == "doctor":
+        from orchestrator.rl.doctor import run_doctor
+
+        d = run_doctor(cfg, fleet=fleet)
+        print("\n".join(d.lines()))
+        return 0 if d.healthy else 1
     if args.command == "prm" and args.action == "label":
         from orchestrator.loops.process_reward import run_label
 
@@ -327,6 +335,7 @@ def _training(run, cfg: FleetConfig) -> int:
     """Run a training command: a failure inside an actor is reported with the actor's name and its log file."""
     from orchestrator.ops.console import describe_failure
     from orchestrator.rl.collect import RewardsFailing
+    from orchestrator.rl.doctor import MismatchRefused
     from orchestrator.rl.driver import PREEMPTED_EXIT, BadTraining, CheckpointFailed, Preempted
     from orchestrator.rl.learner_group import LearnerDied
 
@@ -334,7 +343,7 @@ def _training(run, cfg: FleetConfig) -> int:
         run()
     except Preempted:  # the driver printed where it stopped and the checkpoint to resume from
         return PREEMPTED_EXIT
-    except (LearnerDied, BadTraining, CheckpointFailed, RewardsFailing) as e:
+    except (LearnerDied, BadTraining, CheckpointFailed, RewardsFailing, MismatchRefused) as e:
         print(f"fleetrl: {e}", file=sys.stderr)
         return 1
     except Exception as e:
@@ -421,7 +430,7 @@ def check_and_build(args, cfg: FleetConfig) -> FleetConfig:
                 ensure_model(cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": args.checkpoint})}))
             resolve_model_dir(args.checkpoint)
             return cfg
-    if command != "train":
+    if command not in ("train", "doctor"):
         ensure_model(cfg)
         return cfg
     from orchestrator.loops import prepare

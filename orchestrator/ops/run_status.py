@@ -32,7 +32,7 @@ class RunStatus:
         self._write()
 
     def finish(self, state: str) -> None:
-        """``state``: finished or failed."""
+        """``state``: finished, failed or preempted (SIGTERM)."""
         self.data["state"] = state
         self._write()
 

@@ -103,8 +103,9 @@ def check_checkpoint(path: Path) -> Path:
     return path
 
 
-RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "final", "checkpoints", "config.yaml", "status.json", "trackers.json",
-               "progress.png", "evals", "rollouts", "logs", "tensorboard", "wandb", "mlflow.db", "mlflow-artifacts")
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "final", "best", "checkpoints", "config.yaml", "status.json",
+               "trackers.json", "progress.png", "evals", "rollouts", "logs", "tensorboard", "wandb", "mlflow.db",
+               "mlflow-artifacts")
 """What a training run writes in its run dir (``--overwrite`` deletes these and nothing else: a distill run's teacher
 data, a PRM run's labels and any file of the user's stay)."""
 

@@ -251,6 +251,10 @@ class Run:
 
     def _steps(self, fleet: Fleet | None) -> list[dict]:
         self.start(fleet)
+        if self.start_step == 0 and doctor_applies(self.cfg, self.fleet):  # refuses a mismatched run
+            from orchestrator.rl.doctor import check_run
+
+            check_run(self)
         total, budget = self.cfg.trainer.total_steps, self.cfg.trainer.time_budget_s
         t0 = self.last_save = time.perf_counter()
         bad_steps = 0
@@ -424,7 +428,26 @@ class Run:
                "time/eval_s": time.perf_counter() - t0}
         if self.cfg.env.multi_turn:
             out.update(eval_episode_metrics(samples))
+        if self.cfg.trainer.eval_samples:
+            out.update(self._sampled_eval(step, self.cfg.trainer.eval_samples))
+        out["time/eval_s"] = time.perf_counter() - t0
         return out
+
+    def _sampled_eval(self, step: int, k: int) -> dict:
+        """``trainer.eval_samples``: pass@1 averaged over ``k`` samples of each held-out prompt, and maj@k."""
+        from orchestrator.evaluation.search.methods import majority_vote
+        from rewards.functions import answer_keys
+
+        samples = self.fleet.rollouts.generate(self.eval_prompts, k, self.cfg.rollout.temperature,
+                                               seed=self.cfg.rollout.seed + 7919 * (step + 1))
+        correct = self.correct(samples)
+        keys = answer_keys(self.task.answer_key, [s.completion_text for s in samples])
+        groups: dict[str, list[int]] = {}
+        for i, s in enumerate(samples):
+            groups.setdefault(s.prompt_uid, []).append(i)
+        voted = [majority_vote([keys[i] for i in idx]) for idx in groups.values()]
+        majority = [v is not None and correct[idx[v]] for v, idx in zip(voted, groups.values())]
+        return {"eval/pass@1": sum(correct) / len(correct), f"eval/maj@{k}": sum(majority) / len(majority)}
 
     def correct(self, samples: list) -> list[bool]:
         """Whether each sample is correct by the task's verifier (accuracy metrics)."""
@@ -474,6 +497,13 @@ def best_record(best: Path) -> dict | None:
 
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 1)
+
+
+def doctor_applies(cfg: FleetConfig, fleet: Fleet) -> bool:
+    """The mismatch doctor (:mod:`orchestrator.rl.doctor`) checks single-turn policy-gradient runs whose learner
+    pushes to engines, when ``rollout.max_logprob_gap`` is set."""
+    return (cfg.rollout.max_logprob_gap is not None and fleet.weight_sync is not None and not cfg.env.multi_turn
+            and cfg.algorithm.sampling_temperature_logprobs)
 
 
 def learner_metrics(m: dict) -> dict:

@@ -71,11 +71,12 @@ class LearnerGroup:
     def _get(self, refs):
         return get_ranks(refs, self.prefix)
 
-    def compute_logprobs(self, batch: TrainBatch) -> TrainBatch:
-        """Fill ``old_logprobs`` and ``ref_logprobs`` (one no-grad pass of each model, rows split over ranks)."""
+    def compute_logprobs(self, batch: TrainBatch, temperature: float | None = None) -> TrainBatch:
+        """Fill ``old_logprobs`` and ``ref_logprobs`` (one no-grad pass of each model, rows split over ranks);
+        ``temperature``: the policy's at this temperature instead of the spec's."""
         import torch
 
-        outs = self._get([w.compute_logprobs.remote(s, self.micro_batch_size)
+        outs = self._get([w.compute_logprobs.remote(s, self.micro_batch_size, temperature)
                           for w, s in zip(self.ranks, batch.shards(self.world))])
         batch.old_logprobs = torch.cat([o["old_logprobs"] for o in outs])
         batch.ref_logprobs = torch.cat([o["ref_logprobs"] for o in outs]) if outs[0]["ref_logprobs"] is not None \
@@ -102,6 +103,10 @@ class LearnerGroup:
         """ObjectRefs of the current weights in buckets (every rank takes part in the ZeRO-3 gather)."""
         outs = self._get([w.weight_buckets.remote(self.cfg.rollout.weight_bucket_mb) for w in self.ranks])
         return outs[0]
+
+    def weight_checksums(self) -> dict[str, tuple[float, float]]:
+        """``name -> (sum, sum of |x|)`` of every floating tensor a push sends (rank 0's, see the worker)."""
+        return self._get([w.weight_checksums.remote(self.cfg.rollout.weight_bucket_mb) for w in self.ranks])[0]
 
     def open_weight_group(self, engines: int, workers_per_engine: int, backend: str) -> tuple[list, int, tuple]:
         """Start learner rank 0's side of a weight group for ``engines`` engines; returns its ObjectRefs, the group

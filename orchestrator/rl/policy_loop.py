@@ -17,7 +17,7 @@ import torch
 
 from learner.algorithms import advantage_inputs, assemble_advantages
 from learner.batch import TrainBatch, build_batch
-from learner.corrections import reject
+from learner.corrections import logprob_gap_stats, reject
 from orchestrator.config import FleetConfig
 from orchestrator.evaluation.samples import restate_frac
 from orchestrator.ops.metrics import PhaseTimer
@@ -294,11 +294,13 @@ class PolicyLoop(Loop):
         correct = self.run.correct([x.sample for x in scored])
         mask = batch.response_mask.bool()
         if batch.old_logprobs is not None:  # every sampled token (an off-policy rejection's dropped ones too)
-            diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[mask]
+            gap = logprob_gap_stats(batch.old_logprobs, batch.rollout_logprobs, mask)
         elif "actor/rollout_logprob_gap_max" in train_metrics:  # measured in the update's first pass
-            diff = torch.tensor([train_metrics["actor/rollout_logprob_gap_max"]])
+            m = train_metrics
+            gap = {"max": m["actor/rollout_logprob_gap_max"], "p99": m["actor/rollout_logprob_gap_p99_max"],
+                   "mean": m["actor/rollout_logprob_gap_sum"] / max(m["actor/rollout_logprob_gap_tokens"], 1.0)}
         else:
-            diff = torch.zeros(0)
+            gap = {"max": 0.0, "p99": 0.0, "mean": 0.0}
         lengths = torch.tensor([len(x.sample.completion_ids) for x in scored], dtype=torch.float32)
         components = {f"reward/{name}": sum(x.components.get(name, 0.0) for x in scored) / len(scored)
                       for name in sorted({k for x in scored for k in x.components})}
@@ -313,7 +315,8 @@ class PolicyLoop(Loop):
             # |learner - engine| logprob of the batch's tokens: rounding for samples of the current version, plus
             # the updates since for older ones (one_step_off), which the truncated IS weighs. Whether the push
             # arrived is weight_sync/logprob_max_diff (orchestrator/rl/weight_sync.py), in every mode.
-            "rollout/logprob_gap_max": diff.max().item() if diff.numel() else 0.0,
+            # (p99: exact from a separate logprob pass, else the micro-batches' largest p99, a bound)
+            **{f"rollout/logprob_gap_{k}": v for k, v in gap.items()},
             "rollout/policy_version_min": min(x.sample.policy_version for x in scored),
             "rollout/staleness_max": staleness,
             "rollout/samples": len(scored), "rollout/unique_prompts": len({x.sample.prompt_uid for x in scored}),

@@ -15,6 +15,9 @@ from orchestrator.config import FleetConfig
 from workers.prompts import read_chat_template
 from workers.rollout import EngineSpec
 
+FAULT_LEARNER_TEMPERATURE = "FLEETRL_FAULT_LEARNER_TEMPERATURE"
+"""A test's injected fault: the learner scores at this temperature, whatever the engines sample at."""
+
 
 def env_spec(cfg: FleetConfig) -> dict:
     """The ``env`` section as the rollout and env actors get it (a dict), with ``data.system_prompt``."""
@@ -97,5 +100,8 @@ def learner_layout(cfg: FleetConfig) -> Layout:
 
 def learner_temperature(cfg: FleetConfig) -> float:
     """The temperature the learner divides logits by: the sampling one for policy gradients (their ratio is to
-    the policy that sampled), 1 for SFT, DPO and PRM training (the model's own likelihoods)."""
+    the policy that sampled), 1 for SFT, DPO and PRM training (the model's own likelihoods). A test injects a
+    mismatch with the driver's ``FLEETRL_FAULT_LEARNER_TEMPERATURE`` (tests/test_doctor.py)."""
+    if os.environ.get(FAULT_LEARNER_TEMPERATURE):
+        return float(os.environ[FAULT_LEARNER_TEMPERATURE])
     return cfg.rollout.temperature if cfg.algorithm.sampling_temperature_logprobs else 1.0

@@ -21,6 +21,7 @@ batch a step trains on lags the learner is a separate question with its own keys
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from learner.batch import build_batch
@@ -34,6 +35,8 @@ log = logging.getLogger("fleetrl")
 
 PROBE_TOKENS = 16  # tokens each engine samples for the push check
 PROBE_SEED = 20_011
+FAULT_CORRUPT_PUSH = "FLEETRL_FAULT_CORRUPT_PUSH"
+"""A test's injected fault: the driver doubles the named tensor in every object-store push (tests/test_doctor.py)."""
 
 
 class WeightSync:
@@ -82,6 +85,8 @@ class ObjectStoreSync(WeightSync):
     def _push(self, version: int) -> dict:
         t0 = time.perf_counter()
         buckets = self.learner.weight_buckets()
+        if os.environ.get(FAULT_CORRUPT_PUSH):
+            buckets = corrupted(buckets, os.environ[FAULT_CORRUPT_PUSH])
         t1 = time.perf_counter()
         loads = self.rollouts.load_weights(buckets, version)
         return {"weight_sync/gather_s": t1 - t0, "weight_sync/load_s": time.perf_counter() - t1,
@@ -121,6 +126,24 @@ class CollectiveSync(WeightSync):
         get_ranks(learner_refs)
         self.membership = self.rollouts.membership
         log.info("weight group (%s) of %d ranks formed; %d buckets per push", backend, world, len(self.plans))
+
+
+def corrupted(buckets: list, name: str) -> list:
+    """``buckets`` with tensor ``name`` doubled in a copy of its bucket (the injected corrupt push)."""
+    import numpy as np
+    import ray
+    import torch
+
+    from workers.weight_buckets import unpack_bucket
+
+    out = list(buckets)
+    for i, ref in enumerate(buckets):
+        plan, data = ray.get(ref)
+        if name in plan.names:
+            data = np.array(data)  # a writable copy
+            dict(unpack_bucket(plan, torch.from_numpy(data)))[name].mul_(2.0)
+            out[i] = ray.put((plan, data))
+    return out
 
 
 def make_weight_sync(cfg: FleetConfig, learner: LearnerGroup, rollouts: RolloutPool, probe: list[Prompt],
