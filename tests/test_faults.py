@@ -75,8 +75,10 @@ def test_killed_actors_are_replaced_and_a_dead_learner_stops_the_run(tmp_path):
 
 
 def nan_reward(prompt, completion, metadata):
-    """A reward function gone wrong: NaN rewards make NaN advantages, losses and gradients."""
-    return float("nan")
+    """A reward function gone wrong: a finite Python float beyond float32's range, which the advantages (float32)
+    hold as inf, making NaN advantages, losses and gradients. (A NaN or an infinity itself is refused where the reward
+    function returns it: tests/test_finite_rewards.py.)"""
+    return 1e39
 
 
 @pytest.mark.e2e
