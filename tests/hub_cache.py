@@ -4,9 +4,7 @@ blobs/}``), as `huggingface-cli download` leaves it: what the Hub-id tests resol
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import shutil
 from pathlib import Path
 
 
@@ -63,11 +61,3 @@ def gsm8k_rows(n: int, start: int = 0) -> list[dict]:
     return [{"question": f"What is {a} plus {a + 1}?", "answer": f"{a} + {a + 1} = {2 * a + 1}\n#### {2 * a + 1}"}
             for a in range(start, start + n)]
 
-
-def copy_tree(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
-def dump_json(obj) -> bytes:
-    return json.dumps(obj).encode()
