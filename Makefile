@@ -37,10 +37,12 @@ TRAIN_ARGS ?= --overwrite
 train: model
 	$(VENV)/bin/fleetrl train -c configs/default.yaml $(TRAIN_ARGS)
 
-# ruff (with its size rules C901 and PLR0913), and mypy on the learner and the config package ([tool.mypy])
+# ruff (with its size rules C901 and PLR0913), mypy on the learner and the config package ([tool.mypy]), and the
+# floors of orchestrator/ (lint-imports, [tool.importlinter]: an import pointing up fails)
 lint: setup
 	$(VENV)/bin/ruff check orchestrator workers learner rewards common tests examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 # two pytest-xdist workers in two lanes: the end-to-end tests on the session's fleet in one, the other end-to-end
 # tests and then the unit tests in the other (tests/conftest.py, _lanes)

@@ -1,5 +1,5 @@
 import sys
 
-from orchestrator.ops.cli import main
+from orchestrator.cli.main import main
 
 sys.exit(main())

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import logging
 import re
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from common.registry import Registry
@@ -108,6 +109,17 @@ def answer_keys(key_fn: Callable[[str], str | None], texts: Sequence[str]) -> li
 
     outs = shared_pool().map((key_fn,), [(0, (t,)) for t in texts], describe=lambda args: args[0])
     return [o.value if o.ok else None for o in outs]
+
+
+def majority_vote(answers: list[str | None]) -> int | None:
+    """Index of the first sample whose answer is the most frequent one (self-consistency); samples without an
+    answer (None) do not vote; None when no sample has one."""
+    votes = Counter(a for a in answers if a is not None)
+    if not votes:
+        return None
+    top = max(votes.values())
+    winner = next(a for a in answers if a is not None and votes[a] == top)
+    return answers.index(winner)
 
 
 def verify_timeouts() -> int:

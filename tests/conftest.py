@@ -163,11 +163,11 @@ FLEET_SERVER = FleetServer()
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    """`fleetrl ARGS` in this process (:func:`orchestrator.ops.cli.main`), for commands refused or answered before any
+    """`fleetrl ARGS` in this process (:func:`orchestrator.cli.main.main`), for commands refused or answered before any
     actor starts: its output and exit status as `subprocess.run` gives them back, without a process start."""
     import io
 
-    from orchestrator.ops.cli import main
+    from orchestrator.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -1,7 +1,7 @@
 """`python -m tests.fleet_server`: one process that runs `fleetrl` commands one after another on one fleet, for the
 end-to-end tests. The tests would otherwise pay a process start (imports, tokenizer, joining Ray) and a
 fleet start-up (vLLM engines, learner ranks, reward actors: 45-60 s on 2 cores) for every run; here each command
-is :func:`orchestrator.ops.cli.main` with the server's :class:`~orchestrator.rl.fleet.Fleet`, which keeps the actors
+is :func:`orchestrator.cli.main.main` with the server's :class:`~orchestrator.rl.fleet.Fleet`, which keeps the actors
 that fit the next run (:meth:`~orchestrator.rl.fleet.Fleet.serve`: the learner ranks load the run's model and optimizer,
 kept engines get its weights) and starts the rest, exactly as a pipeline's stages share a fleet.
 
@@ -37,7 +37,7 @@ def run_command(argv: list[str], out: Path, fleet, env: dict | None = None) -> i
 
 
 def _run_command(argv: list[str], out: Path, fleet) -> int:
-    from orchestrator.ops.cli import main
+    from orchestrator.cli.main import main
 
     sys.stdout.flush()
     sys.stderr.flush()

@@ -221,7 +221,7 @@ def test_registry_rejects_unknown_names_listing_valid_ones():
 
 
 def test_step_boundaries_for_process_supervision():
-    from orchestrator.rl.steps import step_ends as _step_ends
+    from orchestrator.rl.reasoning_steps import step_ends as _step_ends
 
     assert _step_ends(["4", "2", "<eos>"], "") == [0, 1, 2]
     assert _step_ends(["a", "\n", "b", "c"], "\n") == [1, 3]

@@ -507,9 +507,9 @@ def test_the_endpoints_file_is_readable_by_its_owner_only_and_gone_when_the_run_
     from types import SimpleNamespace
 
     from orchestrator.config import load_config
+    from orchestrator.loops.policy import PolicyLoop
     from orchestrator.rl import pools
     from orchestrator.rl.driver import Run
-    from orchestrator.rl.policy_loop import PolicyLoop
 
     class Worker:  # an engine's agent_address, answered in place (ray.get passes it through)
         agent_address = SimpleNamespace(remote=lambda env, budget: {"worker": "rollout-0", "url": "http://x:1",

@@ -13,7 +13,7 @@ from learner.algorithms import ALGORITHMS, advantage_inputs, assemble_advantages
 from learner.losses import LOSSES
 from orchestrator.config import algorithm_sections as algorithm_configs
 from orchestrator.config import load_config
-from orchestrator.rl.steps import step_ends as _step_ends
+from orchestrator.rl.reasoning_steps import step_ends as _step_ends
 
 # 4 samples, 2 prompts interleaved (a resize or a restart can reorder nothing, but uids are what counts)
 UIDS = ["p7", "p3", "p7", "p3"]

@@ -185,8 +185,8 @@ DRIVER = textwrap.dedent("""
     from pathlib import Path
     import ray
     from orchestrator.config import load_config
-    from orchestrator.ops.jobs import scale
-    from orchestrator.rl.driver import run_training
+    from orchestrator.cli.jobs import scale
+    from orchestrator.loops import train as run_training
     from orchestrator.rl.fleet import Fleet, Roles
 
     bounds_dir, scaled_dir, model = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]

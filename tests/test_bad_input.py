@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from orchestrator.ops.cli import main
+from orchestrator.cli.main import main
 
 
 def bad_signature(prompt, completion):  # no metadata
@@ -49,7 +49,7 @@ def _refused_before_the_model_is_built(monkeypatch):
             raise AssertionError(f"{cfg.model.path} would be built before the refusal")
         ensure_model(cfg)
 
-    monkeypatch.setattr("orchestrator.ops.cli.ensure_model", build)
+    monkeypatch.setattr("orchestrator.cli.main.ensure_model", build)
     monkeypatch.setattr("orchestrator.rl.driver.ensure_model", build)
 
 
@@ -91,7 +91,7 @@ def test_bad_input_gets_one_line_and_exit_2(capsys, monkeypatch, tmp_path, argv,
 def test_one_address_names_the_cluster_for_every_cluster_command(monkeypatch):
     """`--address` is the cluster's job API (`http://HOST:8265`) or its GCS (`HOST:PORT`) for every cluster command;
     each derives the one it needs with Ray's default ports, and a GCS in RAY_ADDRESS beats a derived one."""
-    from orchestrator.ops.jobs import gcs_address, job_address
+    from orchestrator.cli.jobs import gcs_address, job_address
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert job_address("http://head:8265") == "http://head:8265" and gcs_address("http://head:8265") == "head:6379"
@@ -182,7 +182,7 @@ def test_a_dataset_line_that_is_not_utf8_is_named(capsys, tmp_path, smollm2_toke
 
 def test_an_actor_that_died_starting_is_summarized_with_its_cause_and_no_colour_codes():
     """What the console prints for an actor whose constructor raised (Ray's first line is generic)."""
-    from orchestrator.ops.console import error_summary
+    from orchestrator.telemetry.console import error_summary
 
     class ActorDiedError(Exception):
         pass

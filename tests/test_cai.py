@@ -13,8 +13,8 @@ import torch
 
 from learner.losses import LossScale, bradley_terry_loss, dpo_loss
 from orchestrator.config import ConfigError, load_config
+from orchestrator.data import load_pairs
 from orchestrator.recipes.cai import applicable, check_judge
-from orchestrator.recipes.data import load_pairs
 from rewards.constitution import (
     ConstitutionError,
     constitution_reward,
@@ -314,7 +314,7 @@ def test_sl_cai_then_rl_cai_in_a_pipeline_and_the_judges_probabilities_are_the_m
                                         c.by_name(row["principle"]))
         assert abs(want - checked["preference"]) < 1e-4, (want, checked["preference"])  # measured: <= 1e-5
     _check_judge_rewards(run_dir / "03-rl_judge", judge=run_dir / "02-rl_cai/final", principles=c)
-    # the engines sat parked through the DPO stage's training (Fleet._park): the RL stage reused them
+    # the engines sat parked through the DPO stage's training (plan_serve): the RL stage reused them
     kept = json.loads((run_dir / "03-rl_judge" / "summary.json").read_text())["fleet_kept"]
     assert {"learner", "rollout"} <= set(kept), kept
 

@@ -19,7 +19,7 @@ import pytest
 
 from orchestrator.config import EMBEDDED_MODEL_PATH
 from orchestrator.models.embedded_model import init_model
-from orchestrator.ops.controller import METRICS as CONTROLLER_METRICS
+from orchestrator.telemetry.controller import METRICS as CONTROLLER_METRICS
 from rewards.tasks import ArithmeticTask
 from tests.conftest import free_ports, node_ports_args, stop_ray_processes, subprocess_env
 from tests.test_e2e import ROOT
@@ -162,9 +162,9 @@ RERUN = """
 import json, os, sys
 from pathlib import Path
 import ray
-from orchestrator.ops.controller import start_controller
-from orchestrator.ops.jobs import scale
-from orchestrator.ops.run_status import RunStatus
+from orchestrator.telemetry.controller import start_controller
+from orchestrator.cli.jobs import scale
+from orchestrator.telemetry.run_status import RunStatus
 
 ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)  # the session's head (tests/conftest.py)
 Path(sys.argv[1]).mkdir()

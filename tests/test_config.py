@@ -124,7 +124,7 @@ def test_cli_missing_model_path_is_a_clear_error(tmp_path):
     (["learner.logprob_pass=always"], True),
 ])
 def test_separate_logprob_pass_only_when_the_batch_is_used_more_than_once(overrides, separate):
-    from orchestrator.rl.policy_loop import separate_logprob_pass
+    from orchestrator.loops.policy import separate_logprob_pass
 
     cfg = load_config(None, ["run.dir=/tmp/fleetrl-unused", *overrides])
     assert cfg.engine_dtype == ("bfloat16" if "rollout.dtype=bfloat16" in overrides else "float32")
@@ -180,7 +180,7 @@ def test_the_asynchronous_modes_refuse_what_they_cannot_train(overrides, why):
 def test_cli_on_policy_distill_with_another_tokenizer_exits_2_before_any_actor(tmp_path, smollm2_tokenizer_dir):
     """The teacher scores the student's token ids: a teacher with another vocabulary (SmolLM2's tokenizer against
     the embedded model's) is one line and exit 2, before Ray or any actor; so is a teacher that is not a model."""
-    from orchestrator.rl.policy_loop import check_same_tokenizer
+    from orchestrator.loops.policy import check_same_tokenizer
 
     r = cli("train", "algorithm.name=on_policy_distill", f"distill.teacher={smollm2_tokenizer_dir}",
             f"run.dir={tmp_path}/run")
@@ -228,7 +228,7 @@ def test_version_and_each_commands_own_help():
     `cai`'s), for every command and subcommand."""
     from importlib.metadata import version
 
-    from orchestrator.ops.cli import _parser
+    from orchestrator.cli.main import _parser
 
     r = cli("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"fleetrl {version('fleetrl')}"
@@ -241,7 +241,7 @@ def test_version_and_each_commands_own_help():
 
 def test_every_run_starting_command_takes_verbose():
     """`--verbose` means `run.verbose=true` for every command that starts actors (or a job that does)."""
-    from orchestrator.ops.cli import parse_args
+    from orchestrator.cli.main import parse_args
 
     needs = {"cai revise": ["--n", "1", "--out", "x"], "cai prefer": ["--n", "1", "--out", "x"]}
     for cmd in ("train", "eval", "rft", "sft", "distill", "prm label", "prm train", "cai revise", "cai prefer",

@@ -14,8 +14,8 @@ import textwrap
 import pytest
 
 from orchestrator.config import ConfigError, load_config
-from orchestrator.ops.console import Console, eval_line
-from orchestrator.ops.metrics import MetricsLogger
+from orchestrator.telemetry.console import Console, eval_line
+from orchestrator.telemetry.metrics import MetricsLogger
 from tests import wandb_offline
 from workers.vllm_ext import RELOAD_LOGGER, ExpectedReloadWarnings
 
@@ -194,7 +194,7 @@ def test_console_plain_lines_without_a_tty_and_a_progress_bar_with_one():
 
 
 def test_the_run_status_file_holds_the_latest_numbers_and_the_state(tmp_path):
-    from orchestrator.ops.run_status import RunStatus
+    from orchestrator.telemetry.run_status import RunStatus
 
     status = RunStatus(tmp_path)
     for row in ROWS[:2]:
@@ -209,7 +209,7 @@ def test_the_run_status_file_holds_the_latest_numbers_and_the_state(tmp_path):
 
 def test_supervised_step_lines_show_their_loss_not_eval_only():
     """SFT, DPO and PRM training steps print their own loss; only a step with no metric of its own says so."""
-    from orchestrator.ops.metrics import progress_line
+    from orchestrator.telemetry.metrics import progress_line
 
     prm = progress_line({"step": 3, "policy_version": 3, "prm/bce": 0.41, "prm/accuracy": 0.8, "time/step_s": 2.0})
     assert "prm/bce 0.4100" in prm and "prm/accuracy 0.8000" in prm and "eval only" not in prm

@@ -90,7 +90,7 @@ def test_mismatch_kl_estimates_the_kl_from_the_rollouts_samples():
 
 
 def test_a_rejection_adds_the_learners_logprob_pass_and_its_band_must_surround_one():
-    from orchestrator.rl.policy_loop import separate_logprob_pass
+    from orchestrator.loops.policy import separate_logprob_pass
 
     assert not separate_logprob_pass(load_config(None, []))
     assert separate_logprob_pass(load_config(None, ["algorithm.rejection=geometric"]))

@@ -88,7 +88,7 @@ def test_grafana_dashboard_queries_every_metric_with_rays_prefix():
     dash = json.loads((DEPLOY / "grafana-fleetrl.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
     text = "\n".join(exprs)
-    from orchestrator.ops.controller import METRICS
+    from orchestrator.telemetry.controller import METRICS
 
     docs = (ROOT / "docs" / "cluster.md").read_text()
     for name in METRICS:  # the dashboard queries, and docs/cluster.md names, every metric the controller exports

@@ -19,7 +19,7 @@ DRIVER = textwrap.dedent("""
     from pathlib import Path
     import ray
     from orchestrator.config import load_config
-    from orchestrator.rl.driver import run_training
+    from orchestrator.loops import train as run_training
     from orchestrator.rl.fleet import Fleet, Roles
 
     out, student, teacher = Path(sys.argv[1]), sys.argv[2], sys.argv[3]

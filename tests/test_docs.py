@@ -44,7 +44,7 @@ def test_every_field_is_documented():
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_commands_and_make_targets_exist(page):
-    from orchestrator.ops.cli import _parser
+    from orchestrator.cli.main import _parser
 
     sub = next(a for a in _parser()._actions if a.dest == "command")
     makefile = (ROOT / "Makefile").read_text()
@@ -112,7 +112,7 @@ def test_yaml_blocks_load_and_commands_parse(page):
 
     import yaml
 
-    from orchestrator.ops.cli import parse_args, show_config
+    from orchestrator.cli.main import parse_args, show_config
 
     for block in re.findall(r"```yaml\n(.*?)```", page.read_text(), re.S):
         try:

@@ -352,7 +352,7 @@ def test_tool_demo_sft_trains_exactly_the_tokens_a_tool_episode_samples(tmp_path
     episode's: the two assistant turns (each with its <|im_end|>) trained; the system prompt, the question, the
     tool result and the template's glue not."""
     from orchestrator.config import load_config
-    from orchestrator.recipes.data import ExampleRenderer, load_sft_rows
+    from orchestrator.data import ExampleRenderer, load_sft_rows
     from orchestrator.recipes.tool_demos import write_tool_demos
 
     cfg = load_config(ROOT / "configs/smollm2_tool.yaml", [f"model.path={SMOLLM2}"])

@@ -13,9 +13,9 @@ from learner.algorithms import loss_kwargs
 from learner.batch import response_logprobs
 from learner.losses import LossScale, sft_loss
 from orchestrator.config import ConfigError, load_config
+from orchestrator.data import examples_batch, sample_example
 from orchestrator.evaluation.evaluate import best_of_n, parse_ns, pass_at_k, summarize
 from orchestrator.loops.rft import keep_verified, rft_config
-from orchestrator.recipes.data import examples_batch, sample_example
 from tests.conftest import cli, fleetrl
 from tests.test_e2e import _check_final_policy
 from workers.records import Sample, ScoredSample
@@ -110,7 +110,7 @@ def test_eval_refuses_bad_arguments_before_starting_anything(tmp_path, monkeypat
     def no_build(cfg):
         raise AssertionError(f"{cfg.model.path} would be built before the refusal")
 
-    monkeypatch.setattr("orchestrator.ops.cli.ensure_model", no_build)
+    monkeypatch.setattr("orchestrator.cli.main.ensure_model", no_build)
     proc = cli("eval", "--checkpoint", str(tmp_path), "--n", "1,4")
     assert proc.returncode == 2 and "--checkpoint" in proc.stderr and "config.json" in proc.stderr
     proc = cli("eval", "--checkpoint", ".fleetrl/models/arith-base", "--select", "reward_model")

@@ -16,7 +16,7 @@ DRIVER = textwrap.dedent("""
     from pathlib import Path
     import ray
     from orchestrator.config import load_config
-    from orchestrator.rl.driver import run_training
+    from orchestrator.loops import train as run_training
 
     run_dir = Path(sys.argv[1])
     cfg = load_config(None, [f"run.dir={run_dir}", "trainer.total_steps=8", "trainer.eval_every=0",

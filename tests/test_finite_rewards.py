@@ -12,8 +12,7 @@ import torch
 from learner.algorithms import advantage_inputs, assemble_advantages
 from learner.losses import LossScale, policy_loss
 from orchestrator.config import load_config
-from orchestrator.rl.collect import mask_invalid_rewards
-from orchestrator.rl.policy_loop import samples_to_batch
+from orchestrator.rl.collect import mask_invalid_rewards, samples_to_batch
 from rewards.worker import RewardWorker
 from tests.test_envs import TOK, play, scripted
 from workers.envs.api import Environment, StepResult

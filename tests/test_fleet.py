@@ -9,6 +9,7 @@ import pytest
 
 from orchestrator.config import FleetConfig, load_config
 from orchestrator.loops import loop_for
+from orchestrator.rl.fleet import Roles
 from tests.conftest import cli
 
 
@@ -115,31 +116,27 @@ def test_a_fleet_keeps_for_the_next_run_only_the_actors_that_fit_it():
     assert engine_key(calc) != engine_key(load_config(None, []))  # another model shape (vocabulary): new engines
 
 
-def test_engines_serve_a_run_without_a_learner_only_with_its_model(monkeypatch, tmp_path):
+def _after(built: dict[str, FleetConfig], parked: frozenset[str] = frozenset(), **extra):
+    """The state of a fleet whose groups of ``built`` are in place (with a controller) but for the ``parked``."""
+    from orchestrator.rl.fleet import FleetState
+
+    in_place = (frozenset(built) - parked) | {"controller"}
+    return FleetState(built=built, in_place=in_place, parked=parked, **extra)
+
+
+def test_engines_serve_a_run_without_a_learner_only_with_its_model(tmp_path):
     """A run without a learner (eval, search, PRM labelling) has no learner to push its model into kept engines: it
     keeps them when they hold that model unchanged, or when the model's safetensors can be loaded into them in
     place (:meth:`RolloutPool.load_model`, after a training run pushed into them); else it starts new ones."""
-    from orchestrator.rl.fleet import Fleet, Roles, _engine_weights
+    from orchestrator.rl.fleet import Roles, _engine_weights, plan_serve
 
-    fleet = Fleet.__new__(Fleet)
-    fleet.learner = fleet.critic = fleet.envs = fleet.feedback = fleet.prm = fleet.orm = fleet.controller = None
-    fleet.teacher = None
-    fleet.rewards, fleet.parked = None, {}
-    monkeypatch.setattr(Fleet, "_dead", lambda self, roles, timeout_s=60.0: set())
-    monkeypatch.setattr(Fleet, "_stop", lambda self, role: None)
-
-    def kept_after(model: Path, first: Roles, then: Roles, *extra: str) -> set[str]:
+    def plan_after(model: Path, first: Roles, then: Roles, *extra: str):
         train = load_config(None, ["rollout.num_workers=1", f"model.path={model}", *extra])
         evaluate = load_config(None, ["rollout.num_workers=1", f"model.path={model}", "run.dir=runs/eval", *extra])
-
-        class Engines:  # the group's attributes _keep touches
-            cfg, restarts, recovery_s = train, 0, 0.0
-
-        fleet.rollouts, fleet.built = Engines(), {"rollout": train}
-        fleet.engine_weights = _engine_weights(train, first)
-        kept, rebuild = fleet._keep(evaluate, then, None)
-        assert not rebuild  # the same engine settings
-        return kept
+        plan = plan_serve(_after({"rollout": train}, engine_weights=_engine_weights(train, first)), evaluate, then)
+        assert not plan.rebuild and plan.stop | plan.keep == {"rollout", "controller"}  # the same engine settings
+        assert ("rollout" in plan.start) != ("rollout" in plan.keep)  # kept, or new engines started
+        return plan.keep, plan.reload
 
     safetensors, torch_bin = tmp_path / "st", tmp_path / "bin"
     header = b'{"model.layers.0.self_attn.q_proj.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'
@@ -148,64 +145,74 @@ def test_engines_serve_a_run_without_a_learner_only_with_its_model(monkeypatch, 
         (d / file).write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
     evaluates, trains = Roles(rollout=True), Roles(learner=True, rollout=True)
     for model in (safetensors, torch_bin):
-        assert kept_after(model, evaluates, evaluates) == {"rollout"}  # an eval after an eval of the same model
-        assert kept_after(model, trains, trains) == {"rollout"}  # the learner pushes the new run's model
-    assert kept_after(safetensors, trains, evaluates) == {"rollout"}  # after training: reloaded from disk
-    assert kept_after(torch_bin, trains, evaluates) == set()  # not loadable in place: new engines
-    assert kept_after(safetensors, trains, evaluates, "learner.lora.rank=4") == set()  # adapters in the engines
+        assert plan_after(model, evaluates, evaluates) == ({"rollout"}, False)  # an eval after an eval of the model
+        assert plan_after(model, trains, trains) == ({"rollout"}, False)  # the learner pushes the new run's model
+    assert plan_after(safetensors, trains, evaluates) == ({"rollout"}, True)  # after training: reloaded from disk
+    assert plan_after(torch_bin, trains, evaluates) == (set(), False)  # not loadable in place: new engines
+    assert plan_after(safetensors, trains, evaluates, "learner.lora.rank=4") == (set(), False)  # adapters in them
 
 
-def test_a_group_a_run_does_not_use_is_parked_and_a_later_run_that_fits_keeps_it(monkeypatch):
-    """:meth:`Fleet._keep` between runs: an SFT run without evals parks the RL run's engines and reward actors
-    (idle, out of its groups) instead of stopping them, and the next RL run keeps them; a parked group that does not
-    fit that run, and a group holding GPUs, are stopped."""
-    from orchestrator.rl.fleet import _ATTR, Fleet, Roles
+def test_a_group_a_run_does_not_use_is_parked_and_a_later_run_that_fits_keeps_it():
+    """:func:`plan_serve` between runs: an SFT run without evals parks the RL run's engines and reward actors
+    (idle, out of its groups) instead of stopping them, and the next RL run takes them back and keeps them; a
+    parked group that does not fit that run, a group holding GPUs and the controller are stopped, never parked."""
+    from orchestrator.rl.fleet import plan_serve
 
-    stopped: list[str] = []
-
-    def stop(self, role):
-        if getattr(self, _ATTR[role]) is not None:
-            stopped.append(role)
-        setattr(self, _ATTR[role], None)
-        self.built.pop(role, None)
-
-    monkeypatch.setattr(Fleet, "_dead", lambda self, roles, timeout_s=60.0: set())
-    monkeypatch.setattr(Fleet, "_stop", stop)
     rl = load_config(None, ["rollout.num_workers=1"])
     sft = load_config(None, ["rollout.num_workers=1", "algorithm={}", "algorithm.name=sft"])
     trains, fine_tunes = Roles(learner=True, rollout=True, reward=True), Roles(learner=True)
+    after_rl = dict.fromkeys(trains.names(), rl)
 
-    class Group:  # the attributes _keep touches
-        cfg, restarts, recovery_s, judge = rl, 0, 0.0, None
-
-    def fleet_after_rl(first: FleetConfig = rl) -> Fleet:
-        fleet = Fleet(first, Roles())  # no actor: the groups are set by hand
-        fleet.learner, fleet.rollouts, fleet.rewards = Group(), Group(), Group()
-        fleet.built = dict.fromkeys(trains.names(), first)
-        return fleet
-
-    fleet = fleet_after_rl()
-    engines = fleet.rollouts
-    assert fleet._keep(sft, fine_tunes, None)[0] == {"learner"} and not stopped
-    assert set(fleet.parked) == {"rollout", "reward"} and fleet.groups().keys() == {"learner"}
-    assert fleet._keep(rl, trains, None) == ({"learner", "rollout", "reward"}, set())
-    assert fleet.rollouts is engines and not fleet.parked and not stopped
-    fleet._keep(sft, fine_tunes, None)
+    plan = plan_serve(_after(after_rl), sft, fine_tunes)
+    assert (plan.keep, plan.park, plan.stop, plan.unpark, plan.start) == \
+        ({"learner"}, {"rollout", "reward"}, {"controller"}, set(), ())
+    after_sft = _after(after_rl, parked=frozenset({"rollout", "reward"}))
+    plan = plan_serve(after_sft, rl, trains)
+    assert (plan.unpark, plan.keep, plan.stop, plan.park, plan.start) == \
+        ({"rollout", "reward"}, {"learner", "rollout", "reward"}, {"controller"}, set(), ())
+    assert not plan.rebuild and not plan.reload  # the same engines; the learner pushes the run's weights
     wider = load_config(None, ["rollout.num_workers=2"])  # another placement: the parked engines do not fit
-    assert fleet._keep(wider, trains, None)[0] == {"learner", "reward"} and stopped == ["rollout"]
-    stopped.clear()
+    plan = plan_serve(after_sft, wider, trains)
+    assert (plan.unpark, plan.keep, plan.stop, plan.start) == \
+        ({"rollout", "reward"}, {"learner", "reward"}, {"rollout", "controller"}, ("rollout",))
+    plan = plan_serve(after_sft, sft, fine_tunes)  # parked groups of roles the run does not use stay parked
+    assert (plan.keep, plan.unpark, plan.park, plan.stop) == ({"learner"}, set(), set(), {"controller"})
     gpu = load_config(None, ["rollout.num_workers=1", "rollout.num_gpus=1"])
-    fleet = fleet_after_rl(gpu)
-    fleet._keep(sft, fine_tunes, None)  # a parked GPU engine would keep its memory from the learner
-    assert stopped == ["rollout"] and set(fleet.parked) == {"reward"}
-    import ray  # a new group the cluster has no room for beside the parked ones: they are stopped
+    plan = plan_serve(_after(dict.fromkeys(trains.names(), gpu)), sft, fine_tunes)
+    assert plan.park == {"reward"} and plan.stop == {"rollout", "controller"}  # a parked GPU engine keeps its memory
+
+
+def test_a_fleet_keeps_no_dead_group_and_no_reward_across_a_judge():
+    """An actor that does not answer takes its group with it (stopped, started again); a reward group holding a
+    judge's engines (of the run that made it) is never kept nor parked, and neither is one for a run with a judge.
+    Kept CPU engines of other engine settings build new engines in their actors."""
+    from orchestrator.rl.fleet import plan_serve
+
+    rl = load_config(None, ["rollout.num_workers=1"])
+    trains = Roles(learner=True, rollout=True, reward=True)
+    built = dict.fromkeys(trains.names(), rl)
+    plan = plan_serve(_after(built, dead=frozenset({"rollout"})), rl, trains)
+    assert plan.keep == {"learner", "reward"} and "rollout" in plan.stop and plan.start == ("rollout",)
+    for state, judge in ((_after(built, judged=True), False), (_after(built), True)):
+        plan = plan_serve(state, rl, trains, judge=judge)
+        assert plan.keep == {"learner", "rollout"} and "reward" in plan.stop and plan.start == ("reward",)
+    plan = plan_serve(_after(built, judged=True), rl, Roles(learner=True))
+    assert plan.park == {"rollout"} and plan.stop == {"reward", "controller"}
+    small_cache = load_config(None, ["rollout.num_workers=1", "rollout.kv_cache_gib=0.5"])
+    plan = plan_serve(_after(built), small_cache, trains)
+    assert plan.keep == {"learner", "rollout", "reward"} and plan.rebuild == {"rollout"} and not plan.start
+
+
+def test_parked_groups_make_room_only_when_the_cluster_has_it():
+    """:func:`room_for`: the critic ranks a PPO run adds fit beside the parked groups on a cluster with the CPUs
+    free, not on one without (:meth:`Fleet._make_room` then stops the parked groups)."""
+    from orchestrator.rl.fleet import room_for
 
     critic = load_config(None, ["algorithm.name=ppo"])  # learner.num_ranks critic ranks of learner.num_cpus each
-    for free, parked in ((8.0, {"reward"}), (0.5, set())):
-        monkeypatch.setattr(ray, "available_resources", lambda free=free: {"CPU": free})
-        fleet._make_room(critic, ["critic"], wait_s=0.3)
-        assert set(fleet.parked) == parked
-    assert stopped == ["rollout", "reward"]
+    assert room_for(critic, ["critic"], {"CPU": 8.0})
+    assert not room_for(critic, ["critic"], {"CPU": 0.5})
+    assert not room_for(load_config(None, ["rollout.num_gpus=1"]), ["rollout"], {"CPU": 8.0})  # no GPU at all
+    assert room_for(critic, [], {})
 
 
 def test_cpu_engines_get_the_cores_when_they_generate_alone():

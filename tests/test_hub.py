@@ -6,7 +6,7 @@ import json
 import pytest
 
 from orchestrator.config import ConfigError, load_config
-from orchestrator.recipes.data import load_pairs, load_sft_rows
+from orchestrator.data import load_pairs, load_sft_rows
 from orchestrator.rl.launch import resolve_hub_ids
 from rewards.datasets import DatasetError, DatasetTask, Splits
 from rewards.worker import RewardWorker

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from orchestrator.cli.main import main
 from orchestrator.models import model_import
 from orchestrator.models.model_import import ModelImportError, PackagedGGUF, ensure_smollm2, packaged_gguf
-from orchestrator.ops.cli import main
 
 
 def test_unknown_name_lists_valid_ones(tmp_path, capsys):

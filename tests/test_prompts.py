@@ -7,7 +7,7 @@ import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from orchestrator.rl.policy_loop import samples_to_batch
+from orchestrator.rl.collect import samples_to_batch
 from workers.prompts import PromptRenderer, pad_token_id
 from workers.records import Sample
 

@@ -14,8 +14,8 @@ from learner.batch import build_batch, position_ids, response_logprobs
 from learner.losses import LossScale, dpo_loss, sft_loss
 from learner.packing import micro_batches
 from orchestrator.config import ConfigError, load_config
+from orchestrator.data import Example, ExampleRenderer, draw, examples_batch, load_pairs, load_sft_rows
 from orchestrator.recipes.cold_start import addition_steps, cold_start_rows, write_cold_start
-from orchestrator.recipes.data import Example, ExampleRenderer, draw, examples_batch, load_pairs, load_sft_rows
 from orchestrator.recipes.pipeline import load_recipe
 from rewards.datasets import DatasetError
 from tests.conftest import subprocess_env
@@ -263,7 +263,7 @@ def test_recipe_stages_chain_models_and_command_line_overrides_apply_to_every_st
 
 
 def test_submit_checks_a_recipe_like_the_pipeline_before_contacting_the_cluster(tmp_path):
-    from orchestrator.ops.jobs import submit
+    from orchestrator.cli.jobs import submit
     from orchestrator.recipes.pipeline import is_recipe
 
     bad = _recipe(tmp_path, BASE % (tmp_path / "run") + "stages: [{name: a, kind: sftt}]\n")

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from orchestrator.config import load_config
-from orchestrator.evaluation.samples import eval_records, restate_frac, restates_prompt, shown, write_eval_samples
-from orchestrator.ops.console import sample_line
-from orchestrator.ops.metrics import MetricsLogger
+from orchestrator.telemetry.console import sample_line
+from orchestrator.telemetry.metrics import MetricsLogger
+from orchestrator.telemetry.samples import eval_records, restate_frac, restates_prompt, shown, write_eval_samples
 from rewards.datasets import DatasetError, DatasetTask
 
 PROMPT = "<|im_start|>user\nWhat is 64 + 95?<|im_end|>\n<|im_start|>assistant\n"

@@ -16,7 +16,6 @@ from orchestrator.evaluation.search.methods import (
     Node,
     backup,
     best_index,
-    majority_vote,
     mc_labels,
     select_child,
     select_leaf,
@@ -25,6 +24,7 @@ from orchestrator.evaluation.search.methods import (
 )
 from orchestrator.loops.process_reward import held_out, load_labels, prm_batch, prm_example, step_targets
 from rewards.datasets import DatasetError
+from rewards.functions import majority_vote
 from rewards.prm import aggregate, encode, split_steps, tagged_steps
 from rewards.tasks import ArithmeticTask, ChainTask, Prompt, chain_reward, step_truth
 
@@ -244,7 +244,7 @@ def test_held_out_split_is_by_prompt():
 
 
 def test_overrides_may_follow_options():
-    from orchestrator.ops.cli import parse_args
+    from orchestrator.cli.main import parse_args
 
     args = parse_args(["prm", "label", "-c", "configs/chain.yaml", "prm.prompts=8", "--out=x.jsonl", "prm.samples=2"])
     assert args.overrides == ["prm.prompts=8", "prm.samples=2"] and args.out == "x.jsonl"
@@ -255,7 +255,7 @@ def test_overrides_may_follow_options():
 
 
 def test_slow_bf16_warning_names_the_keys():
-    from orchestrator.ops.console import slow_bf16_warning
+    from orchestrator.telemetry.console import slow_bf16_warning
 
     cfg = load_config(None, ["rollout.dtype=bfloat16", "learner.mixed_precision=bfloat16"])
     avx2 = "processor : 0\nflags : fpu sse avx2\n"

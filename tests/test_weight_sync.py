@@ -22,7 +22,7 @@ DRIVER = textwrap.dedent("""
     from orchestrator.rl.fleet import Fleet
     from orchestrator.rl.launch import init_ray
     from orchestrator.rl.driver import Run
-    from orchestrator.rl.policy_loop import PolicyLoop
+    from orchestrator.loops.policy import PolicyLoop
 
     fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 

@@ -123,10 +123,10 @@ class FleetConfig(Section):
         if r.mode == "one_step_off" and r.max_staleness < 1:
             raise ValueError("rollout.mode=one_step_off trains on samples one policy version old: it needs "
                              f"rollout.max_staleness >= 1 (got {r.max_staleness})")
-        if r.mode != "sync" and r.max_staleness and self.algorithm.tis_cap is None:
+        if r.mode != "sync" and r.max_staleness and not self.algorithm.accepts_stale_samples():
             raise ValueError(f"rollout.mode={r.mode} with rollout.max_staleness={r.max_staleness} trains on older "
-                             "policies' samples: it needs the truncated-IS correction, set algorithm.tis_cap "
-                             "(e.g. 2.0), not null")
+                             f"policies' samples: algorithm.name={self.algorithm.name} needs the truncated-IS "
+                             "correction for them, set algorithm.tis_cap (e.g. 2.0), not null")
         if r.mode == "async":
             if self.env.multi_turn:
                 raise ValueError("rollout.mode=async streams single-turn completions: multi-turn episodes "

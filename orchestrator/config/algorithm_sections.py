@@ -65,6 +65,11 @@ class LossConfig(Section):
         """Whether a loss or reward term reads the frozen reference policy's logprobs."""
         return self.kl_coef > 0
 
+    def accepts_stale_samples(self) -> bool:
+        """Whether samples of an older policy may be trained on (one_step_off, async): the ratio to the sampling
+        policy needs its truncated-IS correction."""
+        return self.tis_cap is not None
+
 
 class GRPOConfig(LossConfig):
     """GRPO (DeepSeekMath): group-normalized outcome reward as every token's advantage."""
@@ -197,6 +202,11 @@ class ObjectiveConfig(Section):
     tis_cap: ClassVar[float | None] = None
     rejection: ClassVar[str] = "none"
     sampling_temperature_logprobs: ClassVar[bool] = False
+
+    def accepts_stale_samples(self) -> bool:
+        """Samples of an older policy train these objectives as they are: DPO compares with its frozen reference,
+        RFT's SFT imitates verified samples; neither weighs a sample by the policy that drew it."""
+        return True
 
 
 class SFTConfig(ObjectiveConfig):

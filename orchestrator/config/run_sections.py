@@ -219,7 +219,13 @@ class RolloutConfig(Section):
     pause from the prompt stream (at most `max_staleness` versions of work admitted ahead of the learner), the
     learner takes a batch as soon as `data.prompts_per_step` groups are complete and scored, and a weight push
     lands between two engine steps: unfinished samples keep their tokens and continue with the new weights
-    (partial rollouts; each token's version is recorded). With `max_staleness: 0` it trains exactly as `sync`."""
+    (partial rollouts; each token's version is recorded). With `max_staleness: 0` it trains exactly as `sync`.
+    Every loop that samples runs in every mode (RL and on-policy distillation, online DPO, RFT); whether its
+    objective may train on an older policy's samples is the algorithm's to say (policy gradients need
+    `algorithm.tis_cap`; DPO and RFT's SFT do not weigh samples by the sampling policy)."""
+    source: str | None = None
+    """Your own rollout source instead of `mode`'s: `module:Class`, a subclass of
+    `orchestrator.rl.rollout_source.RolloutSource` (its `take(step, timer)` returns the step's scored groups)."""
     max_staleness: int = Field(1, ge=0, le=16)
     """Largest allowed `policy_version` gap between a token's generator and the learner that trains on it
     (one_step_off needs >= 1; a larger gap stops the run). `async`: the admission bound too, and a group with an

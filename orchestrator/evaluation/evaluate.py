@@ -101,27 +101,28 @@ def check_selector(cfg: FleetConfig, select: str) -> None:
 def run_eval(cfg: FleetConfig, checkpoint: str, ns: list[int], select: str = "reward",
              out: str | None = None, fleet=None) -> dict:
     """Generate ``max(ns)`` samples per held-out prompt with the checkpoint, score, summarize; writes the
-    report as JSON (``out``, default ``<run.dir>/eval.json``) and returns it. ``fleet``: run on it (kept up)."""
+    report as JSON (``out``, default ``<run.dir>/eval.json``) and returns it. ``fleet``: run on it (kept up); without
+    one the command's own fleet is stopped before the report is written (:meth:`Fleet.for_command`)."""
     check_selector(cfg, select)
     cfg = cfg.model_copy(deep=True)
     cfg.model.path = str(resolve_model_dir(checkpoint))
     from orchestrator.rl.fleet import Fleet, Roles
-    from orchestrator.rl.launch import init_ray, make_task
+    from orchestrator.rl.launch import make_task
     from rewards.functions import verdicts, verify_timeouts
 
     task = make_task(cfg)
     prompts, verifier = task.eval_set(cfg.data.eval_size), task.verifier_fn
-    init_ray(cfg)
     t0 = time.perf_counter()
-    fleet = Fleet.for_run(fleet, cfg, Roles(rollout=True, reward=True))
-    rollouts, rewards = fleet.rollouts, fleet.rewards
     n_max = max(ns)
-    what = "tool episodes" if cfg.env.multi_turn else "completions"
-    log.info("eval: %d greedy %s, then %d x %d sampled (%d engines)", len(prompts), what, len(prompts), n_max,
-             len(rollouts.workers))
-    greedy = rollouts.generate(prompts, 1, temperature=0.0, seed=None)
-    log.info("eval: greedy done in %.0fs; sampling", time.perf_counter() - t0)
-    scored, errors = rewards.score(rollouts.generate(prompts, n_max, cfg.rollout.temperature, seed=cfg.rollout.seed))
+    with Fleet.for_command(fleet, cfg, Roles(rollout=True, reward=True)) as serving:
+        rollouts, rewards = serving.rollouts, serving.rewards
+        what = "tool episodes" if cfg.env.multi_turn else "completions"
+        log.info("eval: %d greedy %s, then %d x %d sampled (%d engines)", len(prompts), what, len(prompts), n_max,
+                 len(rollouts.workers))
+        greedy = rollouts.generate(prompts, 1, temperature=0.0, seed=None)
+        log.info("eval: greedy done in %.0fs; sampling", time.perf_counter() - t0)
+        sampled = rollouts.generate(prompts, n_max, cfg.rollout.temperature, seed=cfg.rollout.seed)
+        scored, errors = rewards.score(sampled)
     groups = []
     for g in range(len(prompts)):
         group = scored[g * n_max: (g + 1) * n_max]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 
 LOOPS = {
-    "policy": "orchestrator.rl.policy_loop:PolicyLoop",
+    "policy": "orchestrator.loops.policy:PolicyLoop",
     "sft": "orchestrator.loops.sft:SFTLoop",
     "dpo": "orchestrator.loops.dpo:DPOLoop",
     "bradley_terry": "orchestrator.loops.preference_model:RewardModelLoop",
@@ -20,7 +20,7 @@ LOOPS = {
 
 
 def loop_for(cfg) -> type:
-    """The loop that trains ``cfg``'s objective: policy gradients (:class:`orchestrator.rl.policy_loop.PolicyLoop`),
+    """The loop that trains ``cfg``'s objective: policy gradients (:class:`orchestrator.loops.policy.PolicyLoop`),
     SFT, DPO, a Bradley-Terry reward model or a PRM (each a :class:`orchestrator.rl.driver.Loop` the driver holds)."""
     module, name = LOOPS[cfg.algorithm.objective].split(":")
     return getattr(importlib.import_module(module), name)
@@ -30,3 +30,11 @@ def prepare(cfg):
     """The config ``cfg``'s loop runs with, every input it reads checked (a ConfigError or DatasetError naming the
     key, file and line): what `fleetrl config show` and every training command do at load."""
     return loop_for(cfg).prepare(cfg)
+
+
+def train(cfg, resume: str | None = None, fleet=None, checked: bool = False) -> list[dict]:
+    """`fleetrl train`: the config's loop run by the driver (:func:`orchestrator.rl.driver.run_training`); its
+    metrics rows."""
+    from orchestrator.rl.driver import run_training
+
+    return run_training(cfg, resume, loop=loop_for(cfg), fleet=fleet, checked=checked)

@@ -16,8 +16,7 @@ import torch
 
 from learner.algorithms import preference_pairs
 from orchestrator.config import FleetConfig
-from orchestrator.ops.metrics import PhaseTimer
-from orchestrator.recipes.data import (
+from orchestrator.data import (
     Example,
     ExampleRenderer,
     draw,
@@ -25,10 +24,11 @@ from orchestrator.recipes.data import (
     load_pairs,
     sample_example,
 )
-from orchestrator.rl.collect import collect
+from orchestrator.loops.policy import check_rewards
+from orchestrator.rl.collect import sample_ages
 from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
 from orchestrator.rl.fleet import Roles, training_roles
-from orchestrator.rl.policy_loop import check_rewards
+from orchestrator.telemetry.metrics import PhaseTimer
 
 log = logging.getLogger("fleetrl")
 
@@ -78,22 +78,22 @@ class DPOLoop(Loop):
 
     def online_step(self, step: int) -> StepResult:
         timer = PhaseTimer()
-        collected = collect(self.run, step, timer)
+        collected = self.run.source.take(step, timer)
         scored, reward_errors = collected.scored, collected.reward_errors
         rewards = [x.reward for x in scored]
         chosen = preference_pairs(rewards, [x.sample.prompt_uid for x in scored], self.cfg.algorithm.min_reward_gap)
         correct = self.run.correct([x.sample for x in scored])
         out = {"reward/mean": sum(rewards) / len(rewards), "reward/errors": reward_errors,
                "train/accuracy": sum(correct) / len(correct), "rollout/samples": len(scored),
-               "tokens_generated": sum(len(x.sample.completion_ids) for x in scored)}
+               "tokens_generated": sum(len(x.sample.completion_ids) for x in scored),
+               **collected.info, **sample_ages(scored, self.run.version)}
         skipped = False
         if chosen:
             pairs = [(sample_example(scored[i].sample), sample_example(scored[j].sample)) for i, j in chosen]
             update = self._update(pairs, timer)
             out.update(update.metrics)
             skipped = update.skipped_update
-            with timer("sync"):
-                out.update(self.run.push_weights())
+            out.update(self.run.sync_weights(timer)[0])
         else:
             log.warning("dpo step %d: no group had a reward gap >= algorithm.min_reward_gap=%s; no update", step,
                         self.cfg.algorithm.min_reward_gap)

@@ -19,12 +19,12 @@ from pathlib import Path
 
 from learner.losses import tag_log_odds
 from orchestrator.config import ConfigError, FleetConfig
+from orchestrator.data import draw, load_pairs
 from orchestrator.loops.process_reward import PRMExample, held_out, prm_batch
-from orchestrator.ops.metrics import PhaseTimer
-from orchestrator.recipes.data import draw, load_pairs
 from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
 from orchestrator.rl.fleet import Roles, training_roles
-from orchestrator.rl.steps import step_separator
+from orchestrator.rl.reasoning_steps import step_separator
+from orchestrator.telemetry.metrics import PhaseTimer
 from rewards.prm import encode, split_steps, tag_id, write_meta
 from workers.prompts import PromptRenderer
 

@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 
 from orchestrator.config import ConfigError, FleetConfig
+from orchestrator.data import Example, draw, examples_batch, read_jsonl, write_jsonl
 from orchestrator.evaluation.search.methods import mc_labels
-from orchestrator.ops.metrics import PhaseTimer
-from orchestrator.recipes.data import Example, draw, examples_batch, read_jsonl, write_jsonl
 from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
 from orchestrator.rl.fleet import Roles, training_roles
-from orchestrator.rl.steps import step_ends, step_separator
+from orchestrator.rl.reasoning_steps import step_ends, step_separator
+from orchestrator.telemetry.metrics import PhaseTimer
 from rewards.datasets import DatasetError
 from rewards.prm import encode, tag_id, write_meta
 
@@ -59,33 +59,34 @@ def token_steps(tokenizer, completion_ids: list[int], separator: str) -> list[tu
 
 def run_label(cfg: FleetConfig, out: str, fleet=None) -> dict:
     """Label the policy's solutions (see the module doc); returns the summary written to ``label.json``.
-    ``fleet``: run on it (kept up)."""
+    ``fleet``: run on it (kept up); without one the command's own engines are stopped once they have sampled
+    (:meth:`Fleet.for_command`)."""
     from orchestrator.rl.fleet import Fleet, Roles
-    from orchestrator.rl.launch import init_ray, load_tokenizer, make_task
+    from orchestrator.rl.launch import load_tokenizer, make_task
     from rewards.functions import verdicts
     from rewards.tasks import step_truth
 
     task, sep, p = make_task(cfg), step_separator(cfg), cfg.prm
     tokenizer = load_tokenizer(cfg.model.path)
     prompts = task.train_batch(LABEL_SEED, p.prompts)
-    init_ray(cfg)
     t0 = time.perf_counter()
-    rollouts = Fleet.for_run(fleet, cfg, Roles(rollout=True)).rollouts
-    t_up = time.perf_counter()
-    samples = rollouts.generate(prompts, p.samples, cfg.rollout.temperature, seed=cfg.rollout.seed)
-    solved = [(s, token_steps(tokenizer, s.completion_ids, sep)) for s in samples]
-    solved = [(s, steps) for s, steps in solved if steps]
-    jobs, prefix_ids = [], []  # (solution index, step index) of every continued prefix
-    by_uid = {pr.uid: pr for pr in prompts}
-    for i, (_, steps) in enumerate(solved):
-        for k in range(len(steps) - 1):
-            jobs.append((i, k))
-            prefix_ids.append([t for ids, _ in steps[: k + 1] for t in ids])
-    t_cont = time.perf_counter()
-    conts = rollouts.generate([_job_prompt(by_uid[solved[i][0].prompt_uid], i, k) for i, k in jobs],
-                              p.continuations, cfg.rollout.temperature, seed=cfg.rollout.seed + 1,
-                              prefixes=prefix_ids) if jobs else []
-    cont_s = time.perf_counter() - t_cont
+    with Fleet.for_command(fleet, cfg, Roles(rollout=True)) as serving:
+        rollouts = serving.rollouts
+        t_up = time.perf_counter()
+        samples = rollouts.generate(prompts, p.samples, cfg.rollout.temperature, seed=cfg.rollout.seed)
+        solved = [(s, token_steps(tokenizer, s.completion_ids, sep)) for s in samples]
+        solved = [(s, steps) for s, steps in solved if steps]
+        jobs, prefix_ids = [], []  # (solution index, step index) of every continued prefix
+        by_uid = {pr.uid: pr for pr in prompts}
+        for i, (_, steps) in enumerate(solved):
+            for k in range(len(steps) - 1):
+                jobs.append((i, k))
+                prefix_ids.append([t for ids, _ in steps[: k + 1] for t in ids])
+        t_cont = time.perf_counter()
+        conts = rollouts.generate([_job_prompt(by_uid[solved[i][0].prompt_uid], i, k) for i, k in jobs],
+                                  p.continuations, cfg.rollout.temperature, seed=cfg.rollout.seed + 1,
+                                  prefixes=prefix_ids) if jobs else []
+        cont_s = time.perf_counter() - t_cont
     outcomes: dict[tuple[int, int], list[bool]] = {}
     for j, (i, k) in enumerate(jobs):
         s, steps = solved[i]

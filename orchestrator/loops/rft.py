@@ -17,14 +17,14 @@ from __future__ import annotations
 import logging
 
 from orchestrator.config import ConfigError, FleetConfig
+from orchestrator.data import examples_batch, sample_example
+from orchestrator.loops.policy import check_rewards
 from orchestrator.loops.sft import objective_config
-from orchestrator.ops.metrics import PhaseTimer
-from orchestrator.recipes.data import examples_batch, sample_example
-from orchestrator.rl.collect import collect
+from orchestrator.rl.collect import sample_ages
 from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
 from orchestrator.rl.episode_metrics import episode_return
 from orchestrator.rl.fleet import Roles, training_roles
-from orchestrator.rl.policy_loop import check_rewards
+from orchestrator.telemetry.metrics import PhaseTimer
 from workers.records import ScoredSample
 
 log = logging.getLogger("fleetrl")
@@ -73,7 +73,7 @@ class RFTLoop(Loop):
     def train_step(self, step: int) -> StepResult:
         """One round: generate, score, keep the verified-correct samples, supervised update, push weights."""
         timer = PhaseTimer()
-        collected = collect(self.run, step, timer)
+        collected = self.run.source.take(step, timer)
         scored, reward_errors = collected.scored, collected.reward_errors
         kept = keep_verified(scored, self.cfg.rft.threshold)
         correct = self.run.correct([x.sample for x in scored])
@@ -81,7 +81,8 @@ class RFTLoop(Loop):
                "rft/prompts_with_kept": len({x.sample.prompt_uid for x in kept}),
                "train/accuracy": sum(correct) / len(correct), "reward/errors": reward_errors,
                "reward/mean": sum(map(episode_return, scored)) / len(scored), "rollout/samples": len(scored),
-               "tokens_generated": sum(len(x.sample.completion_ids) for x in scored)}
+               "tokens_generated": sum(len(x.sample.completion_ids) for x in scored),
+               **collected.info, **sample_ages(scored, self.run.version)}
         skipped = False
         if kept:
             batch = examples_batch([sample_example(x.sample) for x in kept], len(scored), self.run.pad_id)
@@ -89,8 +90,7 @@ class RFTLoop(Loop):
                 update = self.run.learn(batch)
             out.update(learner_metrics(update.metrics))
             skipped = update.skipped
-            with timer("sync"):
-                out.update(self.run.push_weights())
+            out.update(self.run.sync_weights(timer)[0])
         else:
             log.warning("rft round %d: no sample reached rft.threshold=%s; no update this round", step,
                         self.cfg.rft.threshold)

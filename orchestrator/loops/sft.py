@@ -12,10 +12,10 @@ import logging
 import time
 
 from orchestrator.config import ConfigError, FleetConfig
-from orchestrator.ops.metrics import PhaseTimer
-from orchestrator.recipes.data import Example, ExampleRenderer, draw, examples_batch, load_sft_rows
+from orchestrator.data import Example, ExampleRenderer, draw, examples_batch, load_sft_rows
 from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
 from orchestrator.rl.fleet import Roles, training_roles
+from orchestrator.telemetry.metrics import PhaseTimer
 from rewards.datasets import DatasetError
 
 log = logging.getLogger("fleetrl")

@@ -19,7 +19,7 @@ agreement with the rule where the rule tells the two responses apart.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import math
 import random
@@ -27,19 +27,18 @@ import time
 from pathlib import Path
 
 from orchestrator.config import ConfigError, FleetConfig
+from orchestrator.rl.judge import check_judge
 from rewards.constitution import (
     ANSWER_PREFIX,
-    Constitution,
     ConstitutionError,
     Principle,
     load_constitution,
     option_probabilities,
-    option_token_ids,
     preference_from_orders,
     preference_question,
 )
 from rewards.functions import load_reward_function, verdicts
-from rewards.judge import Judge, applicable, as_messages
+from rewards.judge import applicable, as_messages
 from rewards.tasks import Prompt
 
 log = logging.getLogger("fleetrl")
@@ -59,14 +58,16 @@ def satisfaction(task, prompts: list[Prompt], responses: list[str]) -> float:
 
 
 class CAIRun:
-    """The task's prompts, the constitution and the engines of one ``fleetrl cai`` command. Everything that can
-    be checked (the principles file, the judge model and its option tokens) is checked before any actor starts."""
+    """The task's prompts, the constitution and the engines of one ``fleetrl cai`` command, used as a context
+    manager (``with CAIRun(...) as run``: engines the command started are stopped on exit). Everything that can be
+    checked (the principles file, the judge model and its option tokens) is checked before any actor starts."""
 
     def __init__(self, cfg: FleetConfig, n: int, judging: bool = False, fleet=None):
         """``fleet``: a fleet of this process to serve the command (a pipeline's): its learner loads ``model.path``
-        and pushes it into the engines it keeps; without one the command starts engines of its own."""
+        and pushes it into the engines it keeps, and it is left running; without one the command starts engines of
+        its own (:meth:`Fleet.for_command`)."""
         from orchestrator.rl.fleet import Fleet, Roles
-        from orchestrator.rl.launch import init_ray, load_tokenizer, make_task
+        from orchestrator.rl.launch import load_tokenizer, make_task
         from workers.prompts import pad_token_id
 
         try:
@@ -79,11 +80,17 @@ class CAIRun:
                         enumerate(self.task.draw_train(random.Random(f"cai:{cfg.data.seed}"), n))]
         self.rng = random.Random(f"cai-principles:{cfg.data.seed}")
         self.calls = 0
-        init_ray(cfg)
         roles = Roles(learner=fleet is not None, rollout=True, feedback=judging and cfg.cai.judge == "model")
         probe = (self.task.train_batch(0, 1), pad_token_id(load_tokenizer(cfg.model.path))) if fleet else None
-        self.fleet = Fleet.for_run(fleet, cfg, roles, probe=probe)
+        self._serving = contextlib.ExitStack()
+        self.fleet = self._serving.enter_context(Fleet.for_command(fleet, cfg, roles, probe=probe))
         self.rollouts, self.judge = self.fleet.rollouts, self.fleet.feedback
+
+    def __enter__(self) -> CAIRun:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._serving.__exit__(*exc)  # Fleet.for_command's exit: the command's own fleet stopped
 
     def reply(self, conversations: list[list[dict]], temperature: float, group_size: int = 1) -> list[str]:
         """One assistant turn per conversation (``group_size`` of them, grouped), batched over the engines."""
@@ -97,22 +104,22 @@ def revise(cfg: FleetConfig, n: int, out: str | Path, fleet=None) -> dict:
     """SL-CAI data: ``n`` prompts answered, critiqued and revised ``cai.revisions`` times (see the module), on
     ``fleet`` when given (:class:`CAIRun`)."""
     t0 = time.perf_counter()
-    run = CAIRun(cfg, n, fleet=fleet)
-    convs = [as_messages(p.text) for p in run.prompts]
-    answers = run.reply(convs, cfg.rollout.temperature)
-    first = list(answers)
-    history = [{"principles": [], "revisions": [a], "critiques": []} for a in answers]
-    for _ in range(cfg.cai.revisions):
-        drawn = [run.rng.choice(applicable(run.constitution, p.metadata)) for p in run.prompts]
-        asked = [c + [{"role": "assistant", "content": a}, {"role": "user", "content": pr.critique}]
-                 for c, a, pr in zip(convs, answers, drawn)]
-        critiques = run.reply(asked, cfg.rollout.temperature)
-        answers = run.reply([c + [{"role": "assistant", "content": k}, {"role": "user", "content": pr.revision}]
-                             for c, k, pr in zip(asked, critiques, drawn)], cfg.rollout.temperature)
-        for h, pr, k, a in zip(history, drawn, critiques, answers):
-            h["principles"].append(pr.name)
-            h["critiques"].append(k)
-            h["revisions"].append(a)
+    with CAIRun(cfg, n, fleet=fleet) as run:
+        convs = [as_messages(p.text) for p in run.prompts]
+        answers = run.reply(convs, cfg.rollout.temperature)
+        first = list(answers)
+        history = [{"principles": [], "revisions": [a], "critiques": []} for a in answers]
+        for _ in range(cfg.cai.revisions):
+            drawn = [run.rng.choice(applicable(run.constitution, p.metadata)) for p in run.prompts]
+            asked = [c + [{"role": "assistant", "content": a}, {"role": "user", "content": pr.critique}]
+                     for c, a, pr in zip(convs, answers, drawn)]
+            critiques = run.reply(asked, cfg.rollout.temperature)
+            answers = run.reply([c + [{"role": "assistant", "content": k}, {"role": "user", "content": pr.revision}]
+                                 for c, k, pr in zip(asked, critiques, drawn)], cfg.rollout.temperature)
+            for h, pr, k, a in zip(history, drawn, critiques, answers):
+                h["principles"].append(pr.name)
+                h["critiques"].append(k)
+                h["revisions"].append(a)
     rows = [{"messages": [*c, {"role": "assistant", "content": a}], **h}
             for c, a, h in zip(convs, answers, history) if a]  # an empty revision teaches nothing
     _write_jsonl(out, rows)
@@ -127,12 +134,12 @@ def revise(cfg: FleetConfig, n: int, out: str | Path, fleet=None) -> dict:
 def prefer(cfg: FleetConfig, n: int, out: str | Path, fleet=None) -> dict:
     """RL-CAI preference pairs for ``n`` prompts (see the module), on ``fleet`` when given."""
     t0 = time.perf_counter()
-    run = CAIRun(cfg, n, judging=True, fleet=fleet)
-    convs = [as_messages(p.text) for p in run.prompts]
-    responses = run.reply(convs, cfg.rollout.temperature, group_size=2)
-    pairs = [(responses[2 * i], responses[2 * i + 1]) for i in range(len(convs))]
-    drawn = [run.rng.choice(applicable(run.constitution, p.metadata)) for p in run.prompts]
-    probs = judge_pairs(run, convs, pairs, drawn)
+    with CAIRun(cfg, n, judging=True, fleet=fleet) as run:
+        convs = [as_messages(p.text) for p in run.prompts]
+        responses = run.reply(convs, cfg.rollout.temperature, group_size=2)
+        pairs = [(responses[2 * i], responses[2 * i + 1]) for i in range(len(convs))]
+        drawn = [run.rng.choice(applicable(run.constitution, p.metadata)) for p in run.prompts]
+        probs = judge_pairs(run, convs, pairs, drawn)
     rows, agree = [], []
     for p, conv, (a, b), pr, prob in zip(run.prompts, convs, pairs, drawn, probs):
         if a == b:
@@ -176,42 +183,7 @@ def judge_pairs(run: CAIRun, convs: list[list[dict]], pairs: list[tuple[str, str
     return [preference_from_orders(*(r[i] for r in readings)) for i in range(len(pairs))]
 
 
-def reward_judge(cfg: FleetConfig) -> Judge:
-    """The ``judge`` reward of ``reward.functions`` (:mod:`rewards.judge`), its judge model and option tokens
-    checked before any actor starts."""
-    try:
-        constitution = load_constitution(cfg.cai.principles)
-    except ConstitutionError as e:
-        raise ConfigError(f"cai.principles: {e}") from None
-    on_error = float(cfg.judge_spec.params.get("on_error", 0.0))  # checked by the config
-    return Judge(constitution, check_judge(cfg, constitution), cfg.cai.both_orders, on_error, cfg.reward.strict)
-
-
-def check_judge(cfg: FleetConfig, constitution: Constitution) -> list[int]:
-    """The judge's option token ids; a judge model that is not a local causal LM with a chat template, or an
-    option that is not one token of its tokenizer, is a ConfigError naming the key."""
-    from orchestrator.rl.launch import load_tokenizer
-
-    path = cfg.cai.feedback_model or cfg.model.path
-    key = "cai.feedback_model" if cfg.cai.feedback_model else "model.path"
-    config = Path(path) / "config.json"
-    try:
-        archs = json.loads(config.read_text()).get("architectures") or []
-    except (OSError, ValueError):
-        raise ConfigError(f"{key}: {path!r} is not a model directory (no readable config.json)") from None
-    if not any(a.endswith("ForCausalLM") for a in archs):
-        raise ConfigError(f"{key}: {path!r} is not a causal LM (architectures {archs}); the judge reads next-token "
-                          "probabilities, so it must be one (e.g. LlamaForCausalLM)")
-    tokenizer = load_tokenizer(path)
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"{key}: {path!r} has no chat template; the judge's question is a chat conversation")
-    try:
-        return option_token_ids(tokenizer, constitution.options)
-    except ConstitutionError as e:
-        raise ConfigError(f"cai.principles {cfg.cai.principles or '(default)'}: {e}") from None
-
-
 def _write_jsonl(out: str | Path, rows: list[dict]) -> None:
-    from orchestrator.recipes.data import write_jsonl
+    from orchestrator.data import write_jsonl
 
     write_jsonl(out, rows)

@@ -95,7 +95,7 @@ def cold_start_rows(data_cfg, n: int, seed: int = 0) -> list[tuple[dict, dict]]:
 
 def write_cold_start(data_cfg, n: int, out: str | Path, seed: int = 0) -> dict:
     """:func:`cold_start_rows` written as JSONL; returns a summary."""
-    from orchestrator.recipes.data import write_jsonl
+    from orchestrator.data import write_jsonl
 
     if n < 1:
         raise ValueError(f"--n {n}: write at least 1 row")

@@ -26,8 +26,8 @@ log = logging.getLogger("fleetrl")
 def teacher_data(cfg: FleetConfig, out: Path, fleet=None) -> dict:
     """Generate with the teacher, keep the verified samples, write them as SFT rows; returns the counts. ``fleet``
     (a pipeline's): the teacher's engines run on it (it serves the student next), else on a fleet of their own."""
+    from orchestrator.data import write_jsonl
     from orchestrator.loops.rft import keep_verified
-    from orchestrator.recipes.data import write_jsonl
     from orchestrator.rl.fleet import Fleet, Roles
     from orchestrator.rl.launch import make_task
     from rewards.functions import verdicts

@@ -214,7 +214,7 @@ def write_stage_data(kind: str, cfg: FleetConfig, n: int, out: Path, fleet) -> N
         try:
             summary = (revise if action == "revise" else prefer)(cfg, n, out, fleet=fleet)
         except Exception as e:
-            from orchestrator.ops.console import describe_failure
+            from orchestrator.telemetry.console import describe_failure
 
             raise StageFailed(f"fleetrl cai {action} for {out} failed: {describe_failure(e) or repr(e)}") from e
         print(f"pipeline: cai {action}: {json.dumps(summary)}", flush=True)
@@ -243,7 +243,7 @@ def _stage_tree(base: dict, overrides: list[str], where: str) -> dict:
 
 def check_inputs(stages: list[Stage]) -> None:
     """Data files, pairs files and teachers of every stage, before anything starts."""
-    from orchestrator.recipes.data import load_pairs, load_sft_rows
+    from orchestrator.data import load_pairs, load_sft_rows
     from orchestrator.rl.launch import check_teacher
 
     for st in stages:
@@ -350,7 +350,7 @@ def run_stage(st: Stage, summary: Summary, row: dict, fleet) -> None:
     try:
         run_kind(st.kind, cfg, resumed, fleet)
     except Exception as e:
-        from orchestrator.ops.console import describe_failure
+        from orchestrator.telemetry.console import describe_failure
 
         row["status"] = "failed"
         summary.write()
@@ -384,9 +384,9 @@ def run_kind(kind: str, cfg: FleetConfig, resume: str | None, fleet) -> None:
 
         run_distill(cfg, resume, fleet=fleet)
     else:
-        from orchestrator.rl.driver import run_training
+        from orchestrator.loops import train
 
-        run_training(cfg, resume, fleet=fleet)
+        train(cfg, resume, fleet=fleet)
 
 
 class StageFailed(RuntimeError):

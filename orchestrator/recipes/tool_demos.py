@@ -8,7 +8,7 @@ assistant (the answer)], "tools": [names]}`` for a training prompt of the config
 held-out split). The call is written exactly as the tool environment parses it (``<tool_call>{"name": ...,
 "arguments": {...}}</tool_call>``), the result is the tool's own output, and every row's answer is checked with
 the task's verifier before it is written. SFT trains the assistant turns only (the tool message, the prompt and the
-template's glue are masked: :class:`orchestrator.recipes.data.ExampleRenderer`).
+template's glue are masked: :class:`orchestrator.data.ExampleRenderer`).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def tool_demo_rows(cfg: FleetConfig, n: int, seed: int = 0) -> list[dict]:
 def write_tool_demos(cfg: FleetConfig, n: int, out: str | Path, seed: int = 0) -> dict:
     """:func:`tool_demo_rows` written as JSONL; returns a summary."""
     rows = tool_demo_rows(cfg, n, seed)
-    from orchestrator.recipes.data import write_jsonl
+    from orchestrator.data import write_jsonl
 
     write_jsonl(out, rows)
     return {"task": cfg.data.task, "rows": len(rows), "out": str(out), "example": rows[0]}

@@ -15,7 +15,7 @@ wait for all of it and push with nothing in flight: exactly ``sync``.
 :class:`AsyncRollout` drives the streaming rollout actors (:mod:`workers.stream`) from the driver: it keeps the
 engines' membership (a replaced or added engine starts streaming, a lost one's prompts are requeued from scratch),
 admits prompts, polls finished samples, scores complete groups and hands batches to the RL loop
-(:class:`orchestrator.rl.policy_loop.PolicyLoop`). Weight pushes reach the streams through the ordinary push
+(:class:`orchestrator.loops.policy.PolicyLoop`). Weight pushes reach the streams through the ordinary push
 (:meth:`workers.rollout.RolloutWorker.load_weights` lands between two engine steps).
 """
 
@@ -26,16 +26,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from orchestrator.rl.collect import check_reward_errors, reward_calls
+from orchestrator.rl.collect import Sampling, check_reward_errors, reward_calls
 from rewards.tasks import Prompt
 from workers.records import Collected, Sample, ScoredSample
 
 log = logging.getLogger("fleetrl")
-
-if TYPE_CHECKING:
-    from orchestrator.rl.driver import Run
 
 STALL_S = 600.0
 """A batch that waits this long with no sample finishing on any engine ends the run (a hang made an error)."""
@@ -202,7 +198,7 @@ def balanced_counts(loads: list[int], n: int) -> list[int]:
 class AsyncRollout:
     """The driver's side of the asynchronous mode (see the module): one per run, started at its first batch."""
 
-    def __init__(self, run: Run):
+    def __init__(self, run: Sampling):
         cfg = run.cfg
         self.run, self.cfg = run, cfg
         B = cfg.data.prompts_per_step
@@ -261,7 +257,7 @@ class AsyncRollout:
         """Every engine back to call-by-call generation; its unfinished samples are dropped with the run."""
         import ray
 
-        from orchestrator.ops.console import error_summary
+        from orchestrator.telemetry.console import error_summary
 
         for i, w in enumerate(self.run.fleet.rollouts.workers):  # every engine (a no-op on one not streaming)
             try:
@@ -322,7 +318,7 @@ class AsyncRollout:
         :meth:`_membership`, which starts the replacement's stream."""
         import ray
 
-        from orchestrator.ops.console import actor_failed
+        from orchestrator.telemetry.console import actor_failed
 
         pool, out = self.run.fleet.rollouts, {}
         for key, ref in calls.items():

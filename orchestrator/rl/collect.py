@@ -4,21 +4,39 @@ rollout engines, score them on the reward actors, and stop the run when too many
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any, Protocol
 
-from orchestrator.ops.metrics import PhaseTimer
+import torch
+
+from learner.batch import TrainBatch, build_batch
+from orchestrator.config import FleetConfig
 from orchestrator.rl.episode_metrics import drop_errored_groups, episode_return
+from orchestrator.telemetry.metrics import PhaseTimer
+from rewards.tasks import Task
 from workers.records import Collected, ScoredSample
 
-if TYPE_CHECKING:
-    from orchestrator.rl.driver import Run
+
+class Sampling(Protocol):
+    """What sampling reads of its run (:class:`orchestrator.rl.driver.Run` is one): the config, the task, the fleet's
+    engines and reward actors, the policy version, where the run writes, and where it resumed."""
+
+    cfg: FleetConfig
+    task: Task
+    run_dir: Path
+    judge: Any
+    version: int
+    start_step: int
+
+    @property
+    def fleet(self) -> Any: ...
 
 
 class RewardsFailing(RuntimeError):
     """Too many of a step's reward-function calls failed (``reward.max_error_frac``)."""
 
 
-def collect(run: Run, step: int, timer: PhaseTimer) -> Collected:
+def collect(run: Sampling, step: int, timer: PhaseTimer) -> Collected:
     """Generate and score ``step``'s groups. With ``rollout.dynamic_sampling`` (DAPO), groups whose rewards are all
     equal (zero advantage) are set aside and more prompts are sampled, up to ``rollout.max_sampling_rounds``
     rounds; a batch still short is topped up with set-aside groups."""
@@ -50,6 +68,13 @@ def collect(run: Run, step: int, timer: PhaseTimer) -> Collected:
     out = Collected([x for grp in groups for x in grp], errors, info, fleet.rewards.first_error)
     check_reward_errors(run, step, out)
     return out
+
+
+def sample_ages(scored: list[ScoredSample], version: int) -> dict:
+    """The policy versions that drew a batch, as the learner at ``version`` trains on it: ``rollout/policy_version_min``
+    and ``rollout/staleness_max`` (how many versions the oldest sample lags; 1 in one_step_off)."""
+    oldest = min(x.sample.policy_version for x in scored)
+    return {"rollout/policy_version_min": oldest, "rollout/staleness_max": version - oldest}
 
 
 def mask_invalid_rewards(scored: list[ScoredSample]) -> int:
@@ -85,7 +110,7 @@ def reward_calls(cfg, samples: int) -> int:
     return samples * max(1, len(cfg.reward.functions) - bool(cfg.judge_spec))
 
 
-def check_reward_errors(run: Run, step: int, batch: Collected) -> None:
+def check_reward_errors(run: Sampling, step: int, batch: Collected) -> None:
     """More than ``reward.max_error_frac`` of a step's reward-function calls failing stops the run with the first
     failure, before any update on the zeros they scored."""
     limit, frac = run.cfg.reward.max_error_frac, batch.info["reward/error_frac"]
@@ -93,3 +118,14 @@ def check_reward_errors(run: Run, step: int, batch: Collected) -> None:
         raise RewardsFailing(f"step {step}: {frac:.0%} of the reward-function calls failed (reward.max_error_frac="
                              f"{limit}); first: {batch.first_error} (tracebacks in {run.run_dir / 'logs'}/"
                              "reward-*.log)")
+
+
+def samples_to_batch(samples: list, pad_id: int, mask_truncated: bool = False) -> TrainBatch:
+    """Samples in the learner's layout, padded with the tokenizer's ``pad_id`` (masks, not the pad id, say what is
+    real). ``mask_truncated``: a completion cut at the length cap (finish reason ``length``) gets no loss; it
+    still counts as a sequence in the loss's per-sequence normalizers and its reward in its group's baseline."""
+    batch = build_batch([x.prompt_ids for x in samples], [x.completion_ids for x in samples],
+                        [x.logprobs for x in samples], pad_id, [x.loss_mask for x in samples])
+    if mask_truncated:
+        batch.response_mask[torch.tensor([x.finish_reason == "length" for x in samples])] = 0.0
+    return batch

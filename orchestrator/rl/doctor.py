@@ -26,6 +26,7 @@ import dataclasses
 import ray
 
 from learner.corrections import logprob_gap_stats
+from orchestrator.rl.collect import samples_to_batch
 from orchestrator.rl.specs import FAULT_LEARNER_TEMPERATURE, learner_temperature
 
 PROMPTS, SAMPLES, SEED = 4, 2, 31_337  # the doctor's batch: 4 training prompts x 2 samples
@@ -90,7 +91,6 @@ class Diagnosis:
 
 def diagnose(run) -> Diagnosis:
     """The doctor on ``run``'s started fleet (learner, engines and their weight sync; see the module)."""
-    from orchestrator.rl.policy_loop import samples_to_batch
 
     cfg, fleet = run.cfg, run.fleet
     fleet.weight_sync.push(run.version)  # the engines record checksums of what they receive
@@ -175,26 +175,3 @@ def check_run(run) -> None:
     for line in d.lines():
         run.console.print(line)
     raise MismatchRefused("\n".join(d.lines()))
-
-
-def run_doctor(cfg, fleet=None) -> Diagnosis:
-    """`fleetrl doctor`: the run's fleet started (in a scratch run dir) or ``fleet`` served, then diagnosed."""
-    import tempfile
-
-    from orchestrator.loops import loop_for
-    from orchestrator.rl.driver import Run
-    from orchestrator.rl.launch import ensure_model, init_ray
-
-    ensure_model(cfg)
-    with tempfile.TemporaryDirectory(prefix="fleetrl-doctor-") as tmp:
-        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": tmp})})
-        run = Run(cfg, loop_for(cfg))
-        init_ray(cfg)
-        try:
-            run.start(fleet)
-            return diagnose(run)
-        finally:
-            if run._fleet is not None:
-                run._close_loop()
-                if fleet is None:
-                    run.fleet.stop()

@@ -1,6 +1,6 @@
 """The driver every training loop runs under (the single controller). :class:`Run` does what all loops do: start
 or join the fleet, the eval cadence, checkpoints and resume, bad steps, the run status, metrics, the final policy
-and ``summary.json``. A loop (:class:`Loop`: RL's :class:`orchestrator.rl.policy_loop.PolicyLoop`, SFT, DPO, the
+and ``summary.json``. A loop (:class:`Loop`: RL's :class:`orchestrator.loops.policy.PolicyLoop`, SFT, DPO, the
 reward model, the PRM, RFT) holds its run and says what one training step is; the driver holds the loop.
 
     run = Run(cfg, PolicyLoop)      # the loop is chosen once, from the algorithm's objective (orchestrator.loops)
@@ -18,24 +18,25 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from learner.batch import TrainBatch
 from orchestrator.config import FleetConfig, dump_config
-from orchestrator.evaluation.samples import eval_records, shown, write_eval_samples
-from orchestrator.ops.console import Console, banner, sample_line, slow_bf16_warning
-from orchestrator.ops.metrics import MetricsLogger
-from orchestrator.ops.run_status import RunStatus
 from orchestrator.rl import checkpoint as ckpt
+from orchestrator.rl.doctor import Diagnosis, check_run, diagnose
 from orchestrator.rl.episode_metrics import eval_episode_metrics
 from orchestrator.rl.fleet import Fleet, Roles, check_resources, check_this_machine
+from orchestrator.rl.judge import reward_judge
 from orchestrator.rl.launch import ensure_model, init_ray, load_tokenizer, make_task
 from orchestrator.rl.learner_group import LearnerDied, Update, gather_update
 from orchestrator.rl.pools import AGENT_ENDPOINTS
+from orchestrator.rl.rollout_source import RolloutSource, source_class
+from orchestrator.telemetry.console import Console, banner, sample_line, slow_bf16_warning
+from orchestrator.telemetry.metrics import MetricsLogger, PhaseTimer
+from orchestrator.telemetry.run_status import RunStatus
+from orchestrator.telemetry.samples import eval_records, shown, write_eval_samples
 from rewards.functions import verdicts, verify_timeouts
 from workers.prompts import pad_token_id, use_chat_template
-from workers.records import Collected
 
 log = logging.getLogger("fleetrl")
 
@@ -73,23 +74,6 @@ class Loop:
     def evaluate(self, step: int) -> dict:
         return self.run.evaluate(step)
 
-    def in_flight(self) -> Collected | None:
-        """A batch generated for the next step and not trained on yet (one_step_off): saved with a checkpoint."""
-        return None
-
-    def resume_in_flight(self, batch: Collected) -> None:
-        raise ValueError(f"{type(self).__name__} keeps no batch in flight, but the checkpoint holds one")
-
-    def checkpoint_state(self) -> dict | None:
-        """What else a checkpoint records for this loop (JSON; the asynchronous stream's position and prompts)."""
-        return None
-
-    def resume_state(self, state: dict) -> None:
-        raise ValueError(f"{type(self).__name__} keeps no loop state, but the checkpoint holds some")
-
-    def close(self) -> None:
-        """The run ends (finished or failed): release what the loop holds on the fleet (a generation stream)."""
-
     def on_final(self, final: Path) -> None:
         """``final/`` holds the trained model: add what serving it needs."""
 
@@ -124,10 +108,9 @@ class Run:
         self.resume_from = ckpt.resolve(resume, self.run_dir) if resume else None
         self.judge = None  # the `judge` reward (rewards/judge.py), checked before any actor starts
         if cfg.judge_spec:
-            from orchestrator.recipes.cai import reward_judge
-
             self.judge = reward_judge(cfg)
         self._fleet: Fleet | None = None
+        self._source: RolloutSource | None = None
         self._status: RunStatus | None = None
         self._metrics: MetricsLogger | None = None
         self.loop = loop(self)
@@ -140,6 +123,12 @@ class Run:
     def fleet(self) -> Fleet:
         assert self._fleet is not None, "the run has not started its fleet"
         return self._fleet
+
+    @property
+    def source(self) -> RolloutSource:
+        """Where the loop's batches come from (:mod:`orchestrator.rl.rollout_source`), for loops that sample."""
+        assert self._source is not None, f"{type(self.loop).__name__} does not sample (its roles have no reward)"
+        return self._source
 
     @property
     def metrics(self) -> MetricsLogger:
@@ -167,16 +156,16 @@ class Run:
             raise LearnerDied(f"{e}. The run stopped; {hint}") from e
         finally:
             (self.run_dir / AGENT_ENDPOINTS).unlink(missing_ok=True)  # its tokens are dead: agents see the run end
-            if self._fleet is not None:
-                self._close_loop()
+            if self._source is not None:
+                self._close_source()
             if fleet is None and self._fleet is not None:
                 self._fleet.stop()
 
-    def _close_loop(self) -> None:
+    def _close_source(self) -> None:
         try:
-            self.loop.close()
+            self.source.close()
         except Exception:  # noqa: BLE001 - a failed run's fleet may be gone; the run's own error is what matters
-            log.exception("closing the loop's hold on the fleet failed")
+            log.exception("closing the rollout source's hold on the fleet failed")
 
     def start(self, fleet: Fleet | None = None) -> None:
         """Create the run directory and start the loop's fleet, or have ``fleet`` serve this run
@@ -192,6 +181,8 @@ class Run:
         self.console.print(f"fleetrl: starting the actors ({', '.join(roles.names())}); their output goes to "
                            f"{self.run_dir / 'logs'}/")
         self._fleet = Fleet.for_run(fleet, self.cfg, roles, self.judge, self.probe())
+        if roles.reward:  # the loop samples: RL, online DPO, RFT
+            self._source = source_class(self.cfg)(self)
         self.startup_s = time.perf_counter() - self.t_config
         log.info("actors up %.1fs after the config was loaded: %s", self.startup_s, self.fleet.describe())
         for line in banner(self.cfg, self.fleet.describe(), self.dashboard, self.startup_s):
@@ -213,11 +204,10 @@ class Run:
         if self.fleet.weight_sync:  # engines serve the restored weights as the checkpoint's version
             self.version -= 1
             self.push_weights()
-        in_flight = ckpt.load_in_flight(path)
-        if in_flight is not None:  # one_step_off: the next step trains on the batch the checkpoint had in flight
-            self.loop.resume_in_flight(in_flight)
-        if (path / "loop_state.json").exists():
-            self.loop.resume_state(json.loads((path / "loop_state.json").read_text()))
+        if self._source is not None:  # one_step_off's batch in flight, async's stream
+            self._source.restore(path)
+        elif ckpt.load_in_flight(path) is not None:
+            raise ValueError(f"{path} holds a batch in flight, but {type(self.loop).__name__} does not sample")
         self.console.print(f"resumed from {path} at step {self.start_step} (policy version {self.version})")
 
     def save_checkpoint(self, next_step: int) -> float:
@@ -229,12 +219,8 @@ class Run:
             if self.fleet.critic:
                 self.fleet.critic.save_checkpoint(str(stage / "critic"))
             self.fleet.learner.save_hf(str(stage / "policy"))
-            in_flight = self.loop.in_flight()
-            if in_flight is not None:  # one_step_off: generated and scored already (train_step waited)
-                ckpt.save_in_flight(stage, in_flight)
-            state = self.loop.checkpoint_state()
-            if state is not None:  # async: the stream's position and the prompts in flight
-                (stage / "loop_state.json").write_text(json.dumps(state))
+            if self._source is not None:  # one_step_off's batch in flight (train_step waited), async's stream
+                self._source.save(stage)
             path = ckpt.commit(self.run_dir, stage, next_step, {"step": next_step, "policy_version": self.version},
                                dump_config(self.cfg), self.cfg.trainer.keep_checkpoints)
         except (OSError, RuntimeError) as e:  # a full disk surfaces as OSError or as torch.save's RuntimeError
@@ -252,8 +238,6 @@ class Run:
     def _steps(self, fleet: Fleet | None) -> list[dict]:
         self.start(fleet)
         if self.start_step == 0 and doctor_applies(self.cfg, self.fleet):  # refuses a mismatched run
-            from orchestrator.rl.doctor import check_run
-
             check_run(self)
         total, budget = self.cfg.trainer.total_steps, self.cfg.trainer.time_budget_s
         t0 = self.last_save = time.perf_counter()
@@ -384,13 +368,13 @@ class Run:
 
     # ---- what every loop uses ---------------------------------------------------------------------------------
 
-    def learn(self, batch: TrainBatch, critic_batch: TrainBatch | None = None,
-              while_waiting: Callable[[], None] | None = None) -> Update:
+    def learn(self, batch: TrainBatch, critic_batch: TrainBatch | None = None) -> Update:
         """Actor update, and the critic's beside it (both groups run concurrently) on ``critic_batch`` when the
         actor's differs (tokens the off-policy rejection dropped from the policy loss still train the values).
-        ``while_waiting()`` is called repeatedly until both are done (the asynchronous stream's pump)."""
+        Meanwhile the rollout source's pump is called repeatedly (the asynchronous stream's)."""
         import ray
 
+        while_waiting = self._source.pump() if self._source is not None else None
         refs = self.fleet.learner.train_async(batch)
         critic_refs = self.fleet.critic.train_async(critic_batch or batch) if self.fleet.critic else []
         while while_waiting is not None and ray.wait(refs + critic_refs, num_returns=len(refs + critic_refs),
@@ -401,6 +385,16 @@ class Run:
             return actor
         critic = gather_update(critic_refs, "critic", role="critic")
         return Update({**actor.metrics, **critic.metrics}, actor.skipped or critic.skipped)
+
+    def sync_weights(self, timer: PhaseTimer) -> tuple[dict, int]:
+        """After a sampling loop's update: the source's work with the current weights finished (``rollout_wait``),
+        `fleetrl scale` and `stop` requests applied, then the push (``sync``). Returns the push's metrics and how
+        many prompts wait for the next step."""
+        with timer("rollout_wait"):  # one_step_off: the engines finish the next batch before they reload
+            queued = self.source.settle()
+        self.apply_requests()
+        with timer("sync"):
+            return self.push_weights(), queued
 
     def push_weights(self) -> dict:
         """Learner -> every rollout engine, in place; the policy version advances."""
@@ -435,8 +429,7 @@ class Run:
 
     def _sampled_eval(self, step: int, k: int) -> dict:
         """``trainer.eval_samples``: pass@1 averaged over ``k`` samples of each held-out prompt, and maj@k."""
-        from orchestrator.evaluation.search.methods import majority_vote
-        from rewards.functions import answer_keys
+        from rewards.functions import answer_keys, majority_vote
 
         samples = self.fleet.rollouts.generate(self.eval_prompts, k, self.cfg.rollout.temperature,
                                                seed=self.cfg.rollout.seed + 7919 * (step + 1))
@@ -516,14 +509,11 @@ def learner_metrics(m: dict) -> dict:
     return out
 
 
-def run_training(cfg: FleetConfig, resume: str | None = None, loop: type[Loop] | None = None,
-                 fleet: Fleet | None = None, checked: bool = False) -> list[dict]:
-    """Check the inputs (``checked``: the caller's ``prepare`` did), join or start Ray, then run the loop
-    (``loop``: default the config's, :func:`orchestrator.loops.loop_for`) on its own fleet, or on ``fleet`` (kept
-    up after the run). The driver's own log goes to ``<run.dir>/logs/driver.log``."""
-    from orchestrator.loops import loop_for
-
-    loop = loop or loop_for(cfg)
+def run_training(cfg: FleetConfig, resume: str | None = None, *, loop: type[Loop], fleet: Fleet | None = None,
+                 checked: bool = False) -> list[dict]:
+    """Check the inputs (``checked``: the caller's ``prepare`` did), join or start Ray, then run ``loop`` (the
+    config's is :func:`orchestrator.loops.train`'s) on its own fleet, or on ``fleet`` (kept up after the run).
+    The driver's own log goes to ``<run.dir>/logs/driver.log``."""
     if not checked:  # a dataset for the embedded model is measured in its tokenizer's tokens, built or not
         cfg = loop.prepare(cfg)
     if resume:
@@ -547,6 +537,25 @@ def run_training(cfg: FleetConfig, resume: str | None = None, loop: type[Loop] |
         return run.run(fleet)
 
 
+def run_doctor(cfg: FleetConfig, *, loop: type[Loop], fleet: Fleet | None = None) -> Diagnosis:
+    """`fleetrl doctor`: ``loop``'s fleet started (in a scratch run dir) or ``fleet`` served, then diagnosed."""
+    import tempfile
+
+    ensure_model(cfg)
+    with tempfile.TemporaryDirectory(prefix="fleetrl-doctor-") as tmp:
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": tmp})})
+        run = Run(cfg, loop)
+        init_ray(cfg)
+        try:
+            run.start(fleet)
+            return diagnose(run)
+        finally:
+            if run._source is not None:
+                run._close_source()
+            if run._fleet is not None and fleet is None:
+                run.fleet.stop()
+
+
 @contextlib.contextmanager
 def on_sigterm(run: Run):
     """While ``run`` runs, SIGTERM (a preempted node) ends it at the next step boundary with a checkpoint
@@ -568,14 +577,14 @@ def on_sigterm(run: Run):
         signal.signal(signal.SIGTERM, previous)
 
 
-DRIVER_MODULES = ("orchestrator.ops.trackers", "orchestrator.ops.controller", "orchestrator.rl.weight_sync",
-                  "orchestrator.evaluation.samples", "workers.weight_buckets", "workers.nccl_sync")
+DRIVER_MODULES = ("orchestrator.telemetry.trackers", "orchestrator.telemetry.controller", "orchestrator.rl.weight_sync",
+                  "orchestrator.telemetry.samples", "workers.weight_buckets", "workers.nccl_sync")
 """Modules a training run imports lazily while its fleet starts (:func:`preload_driver_modules`)."""
 
 
 def preload_driver_modules() -> None:
     """Import :data:`DRIVER_MODULES` now: a Ray job's driver that imports them after joining the cluster can find
-    its working directory's files gone for a moment (test_cluster: ``No module named 'orchestrator.ops.trackers'``
+    its working directory's files gone for a moment (test_cluster: ``No module named 'orchestrator.telemetry.trackers'``
     from the two-node cluster's job)."""
     import importlib
 

@@ -11,9 +11,13 @@ and CPU rollout actors of the same placement whose engines do not fit (other thr
 prompt settings, model) build new engines in their own processes (:func:`engine_key`; 2-4 s against ~20 s for a
 new actor's start and imports); reward, env, PRM/ORM and judge actors with the same settings are kept as they are.
 What does not fit is stopped and started again, and every kept actor writes its output under the new run's
-``logs/``. A group the run does not use is parked (:meth:`Fleet._park`: idle, out of the run's groups, logs and
-banner) for a later run it fits, such as the RL stage after an SFT stage, unless it holds GPUs or custom resources
-(a parked GPU engine keeps its memory) or a later run needs room that only stopping it frees.
+``logs/``. A group the run does not use is parked (idle, out of the run's groups, logs and banner) for a later run
+it fits, such as the RL stage after an SFT stage, unless it holds GPUs or custom resources (a parked GPU engine
+keeps its memory) or a later run needs room that only stopping it frees. What is kept, rebuilt, parked, stopped
+and started is decided by one pure function, :func:`plan_serve`; :meth:`Fleet.serve` carries its plan out.
+
+A command other than the training driver takes its fleet from :meth:`Fleet.for_command`, which stops the fleet
+on exit when the command started it and leaves a fleet it was given (a pipeline's) running.
 
 This is the only module that creates actor groups (``git grep "Pool(\\|LearnerGroup("``).
 """
@@ -24,7 +28,8 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass, fields
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from orchestrator.config import FleetConfig
@@ -123,10 +128,27 @@ class Fleet:
         """``fleet`` serving a run of ``cfg`` (:meth:`serve`), or without one a new fleet (:meth:`start`)."""
         return fleet.serve(cfg, roles, judge, probe) if fleet is not None else cls.start(cfg, roles, judge, probe)
 
+    @classmethod
+    @contextlib.contextmanager
+    def for_command(cls, fleet: Fleet | None, cfg: FleetConfig, roles: Roles, judge=None,
+                    probe: tuple | None = None) -> Iterator[Fleet]:
+        """The fleet of a command that is not the training driver (eval, search, PRM labelling, CAI data), which
+        stops exactly what it started: ``fleet`` serving the command (:meth:`serve`), left running on exit for its
+        owner (a pipeline, the test suite's fleet server), or, without one, a fleet of the command's own
+        (:meth:`start`), stopped on exit, error or not. Joins or starts Ray first (:func:`init_ray`)."""
+        from orchestrator.rl.launch import init_ray
+
+        init_ray(cfg)
+        if fleet is not None:
+            yield fleet.serve(cfg, roles, judge, probe)
+            return
+        with cls.start(cfg, roles, judge, probe) as own:
+            yield own
+
     def serve(self, cfg: FleetConfig, roles: Roles, judge=None, probe: tuple | None = None) -> Fleet:
         """This fleet, ready for a run of ``cfg`` with ``roles`` (see the module): kept where the actors fit,
-        replaced where they do not; the engines serve the run's starting model. The first run of a fleet
-        started for exactly this config uses it as it is."""
+        replaced where they do not (:func:`plan_serve`); the engines serve the run's starting model. The first run
+        of a fleet started for exactly this config uses it as it is."""
         import ray
 
         t0 = time.perf_counter()
@@ -134,23 +156,23 @@ class Fleet:
         if self.runs == 1 and cfg == self.cfg and roles == self.roles:
             return self
         self.cfg, self.roles = cfg, roles
-        kept, rebuild = self._keep(cfg, roles, judge)
-        self._log_to(cfg, kept)
-        loading = [ref for role in ("learner", "critic") if role in kept for ref in getattr(self, role).load(cfg)]
-        loading += self._new_engines(cfg, rebuild)
-        new = [r for r in roles.names() if r not in kept and r != "controller"]
-        self._make_room(cfg, new)
-        fresh = Fleet(cfg, Roles(**dict.fromkeys(new, True)), judge)
-        for role in new:
+        plan = self._plan(cfg, roles, judge is not None)
+        self._apply(plan, cfg)
+        self._log_to(cfg, plan.keep)
+        loading = [ref for role in ("learner", "critic") if role in plan.keep for ref in getattr(self, role).load(cfg)]
+        loading += self._new_engines(cfg, plan.rebuild)
+        self._make_room(cfg, plan.start)
+        fresh = Fleet(cfg, Roles(**dict.fromkeys(plan.start, True)), judge)
+        for role in plan.start:
             setattr(self, _ATTR[role], getattr(fresh, _ATTR[role]))
-        self.built |= dict.fromkeys([*kept, *new], cfg)
+        self.built |= dict.fromkeys([*plan.keep, *plan.start], cfg)
         if self.rollouts is not None:  # the groups' links, across kept and new groups
             self.rollouts.envs = self.envs
             self.rollouts.current_weights = self.learner.weight_buckets if self.learner else None
         if self.rewards is not None and judge is not None:
             self.rewards.judge_engines = self.feedback or self.rollouts
         self.controller = self._controller() if roles.controller else None
-        if "rollout" in kept and not roles.learner and self.engine_weights != cfg.model.path:
+        if plan.reload:
             self.rollouts.load_model(cfg.model.path)  # no learner to push the run's model: from disk, in place
         if roles.rollout:
             self.engine_weights = _engine_weights(cfg, roles)
@@ -161,78 +183,62 @@ class Fleet:
             from orchestrator.rl.weight_sync import make_weight_sync
 
             self.weight_sync = make_weight_sync(cfg, self.learner, self.rollouts, *probe)
-            if "rollout" in kept:  # the engines hold the last run's weights: the run starts from its own
+            if "rollout" in plan.keep:  # the engines hold the last run's weights: the run starts from its own
                 self.weight_sync.push(0)
-        self.startup_s, self.kept = time.perf_counter() - t0, sorted(kept)
+        self.startup_s, self.kept = time.perf_counter() - t0, sorted(plan.keep)
         log.info("fleet served a new run in %.1fs: kept %s%s%s; %s", self.startup_s, self.kept or "nothing",
-                 f" (new engines in the {' and '.join(sorted(rebuild))} actors)" if rebuild else "",
+                 f" (new engines in the {' and '.join(sorted(plan.rebuild))} actors)" if plan.rebuild else "",
                  f", parked {sorted(self.parked)}" if self.parked else "", self.describe())
         return self
 
-    def _keep(self, cfg: FleetConfig, roles: Roles, judge) -> tuple[set[str], set[str]]:
-        """The roles whose actors fit the new run (see :func:`fit_keys`), parked ones included; the groups of roles
-        the run does not use are parked (:meth:`_park`), every other group is stopped. Also the kept engine roles
-        whose actors need new engines (:func:`engine_key`)."""
-        used = set(roles.names()) - {"controller"}
-        self._unpark(used)
-        after, before = fit_keys(cfg), _fit_keys_of(self.built)
-        kept = {r for r in used if getattr(self, _ATTR[r]) is not None and before[r] == after[r]}
-        kept -= self._dead(kept)  # an actor a run lost (killed, out of memory) takes its group with it
-        rebuild = {r for r in kept & set(PUSHED) if engine_key(self.built[r], r) != engine_key(cfg, r)}
-        if "rollout" in kept and not ("rollout" in rebuild or roles.learner or self.engine_weights == cfg.model.path
-                                      or reloadable(cfg)):
-            kept.discard("rollout")  # no learner to push the run's model, and it cannot be loaded from disk
-        if judge is not None or (self.rewards is not None and self.rewards.judge is not None):
-            kept.discard("reward")  # the judge reward holds engines of the run that made it
-        for role in set(_ATTR) - kept:
-            if role in used or not self._park(role):
-                self._stop(role)
-        for role in kept:
+    def state(self) -> FleetState:
+        """What :func:`plan_serve` reads of this fleet (its actors are not asked whether they answer)."""
+        in_place = frozenset(role for role, attr in _ATTR.items() if getattr(self, attr) is not None)
+        return FleetState(built=dict(self.built), in_place=in_place, parked=frozenset(self.parked),
+                          judged=self.rewards is not None and self.rewards.judge is not None,
+                          engine_weights=self.engine_weights)
+
+    def _plan(self, cfg: FleetConfig, roles: Roles, judge: bool) -> ServePlan:
+        """:func:`plan_serve` for this fleet, the groups it would keep asked first whether their actors answer: an
+        actor a run lost (killed, out of memory) takes its group with it."""
+        state = self.state()
+        plan = plan_serve(state, cfg, roles, judge)
+        dead = self._dead(plan.keep)
+        return plan_serve(replace(state, dead=frozenset(dead)), cfg, roles, judge) if dead else plan
+
+    def _apply(self, plan: ServePlan, cfg: FleetConfig) -> None:
+        """Carry out ``plan``'s unparking, stopping and parking; the kept groups replace their actors from
+        ``cfg`` from now on, with the restart budget of a new run."""
+        for role in plan.unpark:
+            setattr(self, _ATTR[role], self.parked.pop(role))
+        for role in plan.stop:
+            self._stop(role)
+        for role in plan.park:
+            self.parked[role] = getattr(self, _ATTR[role])
+            setattr(self, _ATTR[role], None)
+        for role in plan.keep:
             group = getattr(self, _ATTR[role])
             group.cfg = group_config(cfg, role)  # what a replacement actor is built from
             if hasattr(group, "restarts"):
                 group.restarts, group.recovery_s = 0, 0.0  # the budget is per run
-        return kept, rebuild
 
-    def _park(self, role: str) -> bool:
-        """Set ``role``'s group aside for a later run (True), unless it holds GPUs or custom resources, is the
-        controller, or its reward holds a judge's engines; a group already parked stays so."""
-        group = getattr(self, _ATTR[role])
-        if group is None:
-            return role in self.parked
-        if role == "controller" or getattr(group, "judge", None) is not None:
-            return False
-        if set(resource_demand(self.built[role], [role])) - {"CPU"}:
-            return False
-        self.parked[role] = group
-        setattr(self, _ATTR[role], None)
-        return True
-
-    def _unpark(self, roles: set[str]) -> set[str]:
-        """Put the parked groups of ``roles`` back in place (:meth:`_park` undone); the roles that were parked."""
-        back = roles & set(self.parked)
-        for role in back:
-            setattr(self, _ATTR[role], self.parked.pop(role))
-        return back
-
-    def _make_room(self, cfg: FleetConfig, new: list[str], wait_s: float = 5.0) -> None:
+    def _make_room(self, cfg: FleetConfig, new: tuple[str, ...], wait_s: float = 5.0) -> None:
         """Stop every parked group when the cluster lacks what the ``new`` groups ask for (CPUs, GPUs, custom
-        resources); the actors stopped just before free theirs within ``wait_s``."""
+        resources, :func:`room_for`); the actors stopped just before free theirs within ``wait_s``."""
         import ray
 
         if not (self.parked and new):
             return
-        need = {k: sum(v.values()) for k, v in resource_demand(cfg, new).items()}
         deadline = time.monotonic() + wait_s
-        while any(n > ray.available_resources().get(k, 0.0) + 1e-9 for k, n in need.items()):
+        while not room_for(cfg, new, ray.available_resources()):
             if time.monotonic() > deadline:
-                log.info("fleet: no room for %s beside the parked %s; stopping them", new, sorted(self.parked))
-                for role in self._unpark(set(self.parked)):
+                log.info("fleet: no room for %s beside the parked %s; stopping them", list(new), sorted(self.parked))
+                for role in list(self.parked):
                     self._stop(role)
                 return
             time.sleep(0.2)
 
-    def _new_engines(self, cfg: FleetConfig, roles: set[str]) -> list:
+    def _new_engines(self, cfg: FleetConfig, roles: frozenset[str]) -> list:
         """The engine ``roles`` build new engines for a run of ``cfg`` in their actors: refs of the builds."""
         from orchestrator.rl.launch import max_model_len
 
@@ -240,11 +246,9 @@ class Fleet:
         for role in roles:
             built_from = group_config(cfg, role)
             refs += getattr(self, _ATTR[role]).rebuild(built_from, max_model_len(built_from))
-        if "rollout" in roles:
-            self.engine_weights = cfg.model.path  # read from disk: no load_model needed
         return refs
 
-    def _dead(self, roles: set[str], timeout_s: float = 60.0) -> set[str]:
+    def _dead(self, roles: frozenset[str], timeout_s: float = 60.0) -> set[str]:
         """Those of ``roles`` with an actor that does not answer (dead, or busy past ``timeout_s``)."""
         import ray
 
@@ -258,23 +262,27 @@ class Fleet:
                 dead.add(role)
         return dead
 
+    def _group(self, role: str):
+        """``role``'s group, in place or parked (None without one)."""
+        return self.parked[role] if role in self.parked else getattr(self, _ATTR[role])
+
     def _handles(self, role: str) -> list:
-        """Every actor of ``role``'s group (the reward group's model actors too)."""
-        group = getattr(self, _ATTR[role])
+        """Every actor of ``role``'s group, in place or parked (the reward group's model actors too)."""
+        group = self._group(role)
         if group is None:
             return []
         if role == "controller":
             return [group]
-        handles = list(getattr(group, "ranks", None) or group.workers)
+        handles = group.handles()
         if role == "reward" and group.model_pool is not None:
-            handles += group.model_pool.workers
+            handles += group.model_pool.handles()
         return handles
 
     def _log_to(self, cfg: FleetConfig, kept: set[str]) -> None:
         """Every kept actor writes its output under ``<run.dir>/logs`` from now on."""
         import ray
 
-        from orchestrator.ops.console import log_dir, remember_actor
+        from orchestrator.telemetry.console import log_dir, remember_actor
 
         handles = [w for role, ws in self.workers().items() if role.split("-")[0] in kept for w in ws]
         paths = ray.get([w.log_to.remote(str(log_dir(cfg.run.dir))) for w in handles])
@@ -283,9 +291,10 @@ class Fleet:
                 remember_actor(w, Path(path).stem, cfg.run.dir)
 
     def _stop(self, role: str) -> None:
+        """Kill ``role``'s group, in place or parked (and free a learner group's placement group)."""
         import ray
 
-        group = getattr(self, _ATTR[role])
+        group = self._group(role)
         if group is None:
             return
         for w in self._handles(role):
@@ -294,6 +303,7 @@ class Fleet:
         if role in ("learner", "critic"):
             with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(group.pg)
+        self.parked.pop(role, None)
         setattr(self, _ATTR[role], None)
         self.built.pop(role, None)
 
@@ -314,9 +324,9 @@ class Fleet:
         """Every actor handle by role (a learner group's ranks, a pool's workers)."""
         out = {}
         for role, g in self.groups().items():
-            out[role] = list(getattr(g, "ranks", None) or g.workers)
+            out[role] = g.handles()
             if role == "reward" and g.model_pool is not None:
-                out["reward-model"] = list(g.model_pool.workers)
+                out["reward-model"] = g.model_pool.handles()
         return out
 
     def describe(self) -> str:
@@ -350,7 +360,6 @@ class Fleet:
     def stop(self) -> None:
         """Kill every actor once, parked ones too (and free the learner groups' placement groups); safe to call
         twice."""
-        self._unpark(set(self.parked))
         for role in _ATTR:
             self._stop(role)
         self.weight_sync = None
@@ -364,7 +373,7 @@ class Fleet:
     def _controller(self):
         from pathlib import Path
 
-        from orchestrator.ops.controller import start_controller
+        from orchestrator.telemetry.controller import start_controller
 
         c = self.cfg
         return start_controller(Path(c.run.dir).name, c.rollout.num_workers if self.rollouts else 0,
@@ -430,6 +439,72 @@ _ATTR = {"learner": "learner", "critic": "critic", "env": "envs", "rollout": "ro
 """Role -> the Fleet attribute holding its group."""
 
 
+@dataclass(frozen=True)
+class FleetState:
+    """What :func:`plan_serve` reads of a fleet between runs: no actor handle, nothing asked of Ray."""
+
+    built: Mapping[str, FleetConfig]  # per group, in place or parked, the config it was last fitted to
+    in_place: frozenset[str]  # the roles whose groups are in place (the controller's included)
+    parked: frozenset[str] = frozenset()  # the roles whose groups are parked
+    dead: frozenset[str] = frozenset()  # the roles whose groups have an actor that does not answer
+    judged: bool = False  # the reward group in place holds a judge's engines (a ``judge`` reward function)
+    engine_weights: str | None = None  # the model directory the engines hold unchanged (:func:`_engine_weights`)
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """What :meth:`Fleet.serve` does with each group for the next run (:func:`plan_serve`), in this order: unpark,
+    stop, park, then keep (rebuilding, reloading) and start."""
+
+    unpark: frozenset[str]  # parked groups of roles the run uses, back in place (then kept or stopped)
+    stop: frozenset[str]  # groups that do not fit a role the run uses, and unused ones that cannot be parked
+    park: frozenset[str]  # groups in place of roles the run does not use, set aside for a later run
+    keep: frozenset[str]  # the groups that serve the run (the learner's ranks load it, engines get its weights)
+    rebuild: frozenset[str]  # kept engine groups that build new engines in their actors (:func:`engine_key`)
+    reload: bool  # the kept rollout engines load ``model.path`` from disk (no learner to push it)
+    start: tuple[str, ...]  # the roles whose groups are started new, in :class:`Roles` order (the controller not)
+
+
+def plan_serve(state: FleetState, cfg: FleetConfig, roles: Roles, judge: bool = False) -> ServePlan:
+    """What a fleet in ``state`` does for a run of ``cfg`` with ``roles`` (``judge``: the run's reward has a judge):
+    a group of a used role is kept when it fits (:func:`fit_keys`, parked ones included) and answers; kept engines
+    whose :func:`engine_key` differs build new engines; kept rollout engines without a learner to push the run's
+    model need it already (:func:`_engine_weights`) or loadable in place (:func:`reloadable`); a reward group is
+    never kept across a judge (it holds engines of the run that made it). An unused group is parked unless it holds
+    GPUs or custom resources (a parked GPU engine keeps its memory), is the controller (started again for every
+    run) or holds a judge's engines; parked groups of unused roles stay parked. Everything else is stopped."""
+    used = set(roles.names()) - {"controller"}
+    unpark = used & state.parked
+    have = used & (state.in_place | unpark)
+    after, before = fit_keys(cfg), _fit_keys_of({r: state.built[r] for r in have})
+    keep = {r for r in have if before[r] == after[r]} - state.dead
+    rebuild = {r for r in keep & set(PUSHED) if engine_key(state.built[r], r) != engine_key(cfg, r)}
+    if "rollout" in keep and not ("rollout" in rebuild or roles.learner or state.engine_weights == cfg.model.path
+                                  or reloadable(cfg)):
+        keep.discard("rollout")  # no learner to push the run's model, and it cannot be loaded from disk
+    if judge or state.judged:
+        keep.discard("reward")
+    idle = state.in_place - used
+    park = {r for r in idle if _parkable(state, r)}
+    reload = "rollout" in (keep - rebuild) and not roles.learner and state.engine_weights != cfg.model.path
+    return ServePlan(unpark=frozenset(unpark), stop=frozenset((have - keep) | (idle - park)), park=frozenset(park),
+                     keep=frozenset(keep), rebuild=frozenset(rebuild), reload=reload,
+                     start=tuple(r for r in roles.names() if r not in keep and r != "controller"))
+
+
+def _parkable(state: FleetState, role: str) -> bool:
+    """Whether ``role``'s group in place can be set aside for a later run (see :func:`plan_serve`)."""
+    if role == "controller" or (role == "reward" and state.judged):
+        return False
+    return not set(resource_demand(state.built[role], [role])) - {"CPU"}
+
+
+def room_for(cfg: FleetConfig, roles: Iterable[str], available: Mapping[str, float]) -> bool:
+    """Whether ``available`` resources (``ray.available_resources()``) hold what the groups of ``roles`` ask for."""
+    need = {k: sum(v.values()) for k, v in resource_demand(cfg, roles).items()}
+    return all(n <= available.get(k, 0.0) + 1e-9 for k, n in need.items())
+
+
 def fit_keys(cfg: FleetConfig) -> dict[str, object]:
     """Per role, what its actors were built from, apart from the weights a run loads or pushes: another run whose
     key is the same can use them (:meth:`Fleet.serve`). CPU engine actors (rollout, teacher) fit any run with the
@@ -473,8 +548,6 @@ def engine_key(cfg: FleetConfig, role: str = "rollout") -> tuple:
     """What the engines inside ``role``'s actors (see :data:`PUSHED`) were built from for a run of ``cfg``: threads,
     engine settings, and the model's shape (pushed weights) or its directory (a teacher). Kept CPU engine actors
     whose key differs build new engines in place (:meth:`~orchestrator.rl.pools.RolloutPool.rebuild`)."""
-    from dataclasses import replace
-
     from orchestrator.rl.launch import max_model_len
     from orchestrator.rl.specs import engine_spec, engine_threads
 

@@ -13,9 +13,9 @@ from common.net import free_port
 from learner.batch import TrainBatch
 from learner.worker import LearnerWorker
 from orchestrator.config import FleetConfig
-from orchestrator.ops.console import actor_failed, actor_label, remember_actor
 from orchestrator.rl.pools import DIED, StartupTimeout, _free
 from orchestrator.rl.specs import learner_spec, log_env, placement_key
+from orchestrator.telemetry.console import actor_failed, actor_label, remember_actor
 
 
 class LearnerGroup:
@@ -60,6 +60,10 @@ class LearnerGroup:
     def ready(self) -> list:
         """ObjectRefs that resolve once every rank has built its DeepSpeed engine (see :func:`wait_ready`)."""
         return [w.ready.remote() for w in self.ranks]
+
+    def handles(self) -> list:
+        """Every rank's actor."""
+        return list(self.ranks)
 
     def _bundle0_ip(self) -> str:
         node_id = ray.util.placement_group_table(self.pg)["bundles_to_node_id"][0]

@@ -11,7 +11,6 @@ import time
 import ray
 
 from orchestrator.config import FleetConfig
-from orchestrator.ops.console import actor_failed, actor_label, remember_actor
 from orchestrator.rl.specs import (
     engine_spec,
     engine_threads,
@@ -19,6 +18,7 @@ from orchestrator.rl.specs import (
     learner_temperature,
     log_env,
 )
+from orchestrator.telemetry.console import actor_failed, actor_label, remember_actor
 from rewards.reward_model import RewardModelWorker
 from rewards.tasks import Prompt
 from rewards.worker import RewardWorker
@@ -94,6 +94,10 @@ class ActorPool:
     def ready(self) -> list:
         """ObjectRefs that resolve once every worker's constructor has finished (see :func:`wait_ready`)."""
         return [w.ready.remote() for w in self.workers]
+
+    def handles(self) -> list:
+        """Every actor of the pool (a reward pool's reward-model actors are a pool of their own)."""
+        return list(self.workers)
 
     def resize(self, count: int) -> None:
         """Grow or shrink the pool to ``count`` workers. Called between calls (nothing is in flight), so no

@@ -12,6 +12,7 @@ from learner.algorithms import loss_kwargs as policy_loss_kwargs
 from learner.packing import Layout
 from learner.worker import LearnerSpec, ds_config
 from orchestrator.config import FleetConfig
+from orchestrator.rl.rollout_source import source_class
 from workers.prompts import read_chat_template
 from workers.rollout import EngineSpec
 
@@ -48,7 +49,7 @@ def engine_threads(cfg: FleetConfig) -> int:
     r = cfg.rollout
     if r.cpu_threads:
         return r.cpu_threads
-    if r.num_gpus or r.mode != "sync":
+    if r.num_gpus or source_class(cfg).overlaps_learner:
         return 1
     return max(1, (os.cpu_count() or 1) // r.num_workers)
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from orchestrator.config import ConfigError, FleetConfig
-from orchestrator.evaluation.search.methods import Node, backup, best_index, majority_vote, select_leaf, top_k
+from orchestrator.evaluation.search.methods import Node, backup, best_index, select_leaf, top_k
 from rewards.answers import vote_key
-from rewards.functions import answer_keys, verdicts
+from rewards.functions import answer_keys, majority_vote, verdicts
 from rewards.prm import AGGREGATIONS, aggregate
 
 log = logging.getLogger("fleetrl")
@@ -275,11 +275,12 @@ class Searcher:
 def run_search(cfg: FleetConfig, checkpoint: str | None, methods: list[str], budgets: list[int],
                out: str | None = None, fleet=None) -> dict:
     """Every method at every budget on the held-out prompts; writes ``search.json`` and ``search.png`` in
-    ``out`` (default ``<run.dir>/search``) and returns the report. ``fleet``: run on it (kept up)."""
+    ``out`` (default ``<run.dir>/search``) and returns the report. ``fleet``: run on it (kept up); without one the
+    command's own fleet is stopped once the methods have run (:meth:`Fleet.for_command`)."""
     from orchestrator.evaluation.evaluate import resolve_model_dir
     from orchestrator.rl.fleet import Fleet, Roles
-    from orchestrator.rl.launch import init_ray, load_tokenizer, make_task
-    from orchestrator.rl.steps import step_separator
+    from orchestrator.rl.launch import load_tokenizer, make_task
+    from orchestrator.rl.reasoning_steps import step_separator
     from workers.prompts import use_chat_template
 
     cfg = cfg.model_copy(deep=True)
@@ -293,9 +294,24 @@ def run_search(cfg: FleetConfig, checkpoint: str | None, methods: list[str], bud
     task = make_task(cfg)
     prompts = task.eval_set(cfg.data.eval_size)
     tokenizer = use_chat_template(load_tokenizer(cfg.model.path), cfg.data.chat_template)
-    init_ray(cfg)
-    fleet = Fleet.for_run(fleet, cfg, Roles(rollout=True, prm=needs_prm, orm="orm_best_of_n" in methods))
-    searcher = Searcher(cfg, fleet.rollouts, fleet.prm, fleet.orm, tokenizer, step_separator(cfg), task.answer_key)
+    roles = Roles(rollout=True, prm=needs_prm, orm="orm_best_of_n" in methods)
+    with Fleet.for_command(fleet, cfg, roles) as serving:
+        searcher = Searcher(cfg, serving.rollouts, serving.prm, serving.orm, tokenizer, step_separator(cfg),
+                            task.answer_key)
+        results = _search(searcher, task, prompts, methods, budgets)
+    report = {"model_path": cfg.model.path, "prm": cfg.prm.path, "orm": cfg.prm.orm_path,
+              "num_prompts": len(prompts), "temperature": cfg.rollout.temperature, "budgets": budgets,
+              "search": cfg.search.model_dump(), "methods": results}
+    out_dir = Path(out) if out else Path(cfg.run.dir) / "search"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "search.json").write_text(json.dumps(report, indent=1))
+    plot(report, out_dir / "search.png")
+    print(f"search report: {out_dir / 'search.json'}, curve: {out_dir / 'search.png'}", flush=True)
+    return report
+
+
+def _search(searcher: Searcher, task, prompts: list, methods: list[str], budgets: list[int]) -> dict[str, list[dict]]:
+    """Per method, a row for each budget (greedy: one): accuracy, generated tokens per problem, seconds."""
     results: dict[str, list[dict]] = {}
     for method in methods:
         for budget in ([1] if method == "greedy" else budgets):
@@ -310,15 +326,7 @@ def run_search(cfg: FleetConfig, checkpoint: str | None, methods: list[str], bud
             log.info("search %s N=%d: %s", method, budget, row)
             print(f"{method:>20} N={budget:<4} accuracy {row['accuracy']:.3f}  tokens/problem "
                   f"{row['tokens_per_problem']:.1f}  {row['seconds']:.1f}s", flush=True)
-    report = {"model_path": cfg.model.path, "prm": cfg.prm.path, "orm": cfg.prm.orm_path,
-              "num_prompts": len(prompts), "temperature": cfg.rollout.temperature, "budgets": budgets,
-              "search": cfg.search.model_dump(), "methods": results}
-    out_dir = Path(out) if out else Path(cfg.run.dir) / "search"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "search.json").write_text(json.dumps(report, indent=1))
-    plot(report, out_dir / "search.png")
-    print(f"search report: {out_dir / 'search.json'}, curve: {out_dir / 'search.png'}", flush=True)
-    return report
+    return results
 
 
 def plot(report: dict, path: Path) -> None:

@@ -1,7 +1,7 @@
 """The pure parts of step-level labelling and test-time search: no actors, no engines (unit-tested directly).
 
 - Math-Shepherd labels from Monte-Carlo continuations (:func:`mc_labels`);
-- self-consistency (:func:`majority_vote`);
+- self-consistency (:func:`rewards.functions.majority_vote`);
 - best-of-N by a score (:func:`best_index`);
 - step-level beam search's selection (:func:`top_k`);
 - MCTS over steps: the tree (:class:`Node`), UCB selection with the seed's formula
@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -22,17 +21,6 @@ def mc_labels(continuations: list[list[bool]]) -> tuple[list[float], list[int]]:
     soft = [sum(c) / len(c) if c else 0.0 for c in continuations]
     hard = [int(any(c)) for c in continuations]
     return soft, hard
-
-
-def majority_vote(answers: list[str | None]) -> int | None:
-    """Index of the first sample whose answer is the most frequent one (self-consistency); samples without an
-    answer (None) do not vote; None when no sample has one."""
-    votes = Counter(a for a in answers if a is not None)
-    if not votes:
-        return None
-    top = max(votes.values())
-    winner = next(a for a in answers if a is not None and votes[a] == top)
-    return answers.index(winner)
 
 
 def best_index(scores: list[float]) -> int:

@@ -11,24 +11,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from learner.algorithms import advantage_inputs, assemble_advantages
-from learner.batch import TrainBatch, build_batch
+from learner.batch import TrainBatch
 from learner.corrections import logprob_gap_stats, reject
 from orchestrator.config import FleetConfig
-from orchestrator.evaluation.samples import restate_frac
-from orchestrator.ops.metrics import PhaseTimer
-from orchestrator.rl.async_rollout import AsyncRollout
-from orchestrator.rl.collect import collect, mask_invalid_rewards
+from orchestrator.rl.collect import mask_invalid_rewards, samples_to_batch
 from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
 from orchestrator.rl.episode_metrics import episode_metrics, episode_return
 from orchestrator.rl.fleet import Roles, training_roles
 from orchestrator.rl.launch import make_task
-from orchestrator.rl.steps import process_separator, step_ends
-from workers.records import Collected, ScoredSample
+from orchestrator.rl.reasoning_steps import process_separator, step_ends
+from orchestrator.telemetry.metrics import PhaseTimer
+from orchestrator.telemetry.samples import restate_frac
+from workers.records import ScoredSample
 
 log = logging.getLogger("fleetrl")
 
@@ -38,16 +36,12 @@ class PolicyLoop(Loop):
 
         generate -> score -> (learner logprobs) -> advantages -> update -> push weights
 
-    ``one_step_off``: the next step's batch is generated and scored while this step trains (its prefetch).
-    ``async``: the engines stream (:mod:`orchestrator.rl.async_rollout`); a batch is the next complete groups."""
+    The batch comes from the run's rollout source (:mod:`orchestrator.rl.rollout_source`: ``sync``, ``one_step_off``,
+    ``async``)."""
 
     def __init__(self, run: Run):
         super().__init__(run)
         self.cfg = run.cfg
-        self.prefetch: Future | None = None  # one_step_off: the next step's batch, being generated and scored
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
-        self.stream: AsyncRollout | None = None  # async: the streaming engines' driver side
-        self.stream_state: dict | None = None  # async: a checkpoint's stream, restored at the first batch
 
     @classmethod
     def prepare(cls, cfg: FleetConfig) -> FleetConfig:
@@ -65,27 +59,9 @@ class PolicyLoop(Loop):
         """The actors this loop uses (:func:`orchestrator.rl.fleet.training_roles`): RL generates every step."""
         return training_roles(cfg, generates=True)
 
-    def in_flight(self) -> Collected | None:
-        return None if self.prefetch is None else self.prefetch.result().batch
-
-    def resume_in_flight(self, batch: Collected) -> None:
-        self.prefetch = Future()
-        self.prefetch.set_result(InFlight(batch, PhaseTimer()))
-
-    def checkpoint_state(self) -> dict | None:
-        return None if self.stream is None else {"stream": self.stream.ledger.state()}
-
-    def resume_state(self, state: dict) -> None:
-        self.stream_state = state["stream"]
-
-    def close(self) -> None:
-        if self.stream is not None:
-            self.stream.close()
-            self.stream = None
-
     def train_step(self, step: int) -> StepResult:
         timer = PhaseTimer()
-        collected = self.rollout_batch(step, timer)
+        collected = self.run.source.take(step, timer)
         scored = collected.scored
         collected.info["reward/invalid_samples"] = mask_invalid_rewards(scored)  # before the batch takes the masks
         staleness = self._check_staleness(scored)
@@ -109,14 +85,9 @@ class PolicyLoop(Loop):
             batch.advantages, batch.returns = self.advantages(scored, batch, steps, teacher)
         actor_batch, off_policy = self._reject(batch)
         with timer("learn"):  # async: finished samples are taken and scored meanwhile
-            update = self.run.learn(actor_batch, critic_batch=batch,
-                                    while_waiting=self.stream.pump if self.stream else None)
+            update = self.run.learn(actor_batch, critic_batch=batch)
             train_metrics = update.metrics
-        with timer("rollout_wait"):  # one_step_off: the engines finish the next batch before they reload
-            queued = self._wait_prefetch()
-        self.run.apply_requests()
-        with timer("sync"):
-            sync_metrics = self.run.push_weights()
+        sync_metrics, queued = self.run.sync_weights(timer)
         out = {**self._rollout_metrics(scored, batch, collected.reward_errors, train_metrics, staleness),
                **learner_metrics(train_metrics), **off_policy, **sync_metrics, **collected.info,
                **self._timing(timer, train_metrics, queued)}
@@ -129,44 +100,6 @@ class PolicyLoop(Loop):
         out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
         out["throughput/samples_per_s"] = len(scored) / out["time/step_s"]
         return StepResult(out, update.skipped, collected.reward_errors)
-
-    def rollout_batch(self, step: int, timer: PhaseTimer) -> Collected:
-        """The step's scored groups. ``sync``: generated now. ``one_step_off``: the batch generated during the
-        previous step (generated now only at the first step or after a resume), and generation of the next
-        batch starts at once with the current weights, concurrently with this step's update."""
-        if self.cfg.rollout.mode == "async":
-            with timer("rollout_wait"):
-                return self._stream().take(step)
-        if self.prefetch is None:
-            out = collect(self.run, step, timer)
-        else:
-            done = self.prefetch.result()
-            self.prefetch, out = None, done.batch
-            for phase, seconds in done.timer.seconds.items():
-                timer.seconds[f"{phase}_overlapped"] = seconds
-        if self.cfg.rollout.mode == "one_step_off" and step + 1 < self.cfg.trainer.total_steps:
-            self.prefetch = self.pool.submit(self._collect_timed, step + 1)
-        return out
-
-    def _stream(self) -> AsyncRollout:
-        """The asynchronous mode's stream, started (or continued from a checkpoint) at the first batch."""
-        if self.stream is None:
-            self.stream = AsyncRollout(self.run)
-            if self.stream_state is not None:
-                self.stream.ledger.restore(self.stream_state, self.run.version)
-            elif self.run.start_step:  # resumed from a sync or one_step_off checkpoint
-                self.stream.ledger.start_at(self.run.start_step)
-        return self.stream
-
-    def _collect_timed(self, step: int) -> InFlight:
-        timer = PhaseTimer()
-        return InFlight(collect(self.run, step, timer), timer)
-
-    def _wait_prefetch(self) -> int:
-        """Block until the in-flight batch is generated and scored; returns how many prompts it holds."""
-        if self.prefetch is None:
-            return 0
-        return len({x.sample.prompt_uid for x in self.prefetch.result().batch.scored})
 
     def _check_staleness(self, scored: list[ScoredSample]) -> int:
         """How many versions the oldest sample lags the learner; past ``rollout.max_staleness`` is an error."""
@@ -182,16 +115,8 @@ class PolicyLoop(Loop):
         out = timer.metrics()
         learner_s = out.get("time/logprobs_s", 0.0) + out.get("time/teacher_s", 0.0) + max(
             train_metrics.get("time/actor_compute_s", 0.0), train_metrics.get("time/critic_compute_s", 0.0))
-        if self.cfg.rollout.mode == "one_step_off":
-            gen = out.get("time/generate_s", 0.0) + out.get("time/generate_overlapped_s", 0.0)
-            busy = max(gen, learner_s + out.get("time/rollout_wait_s", 0.0))
-        elif self.cfg.rollout.mode == "async":  # the engines never stop: the learner's side is the step
-            busy = learner_s + out.get("time/rollout_wait_s", 0.0)
-            out["async/learner_idle_frac"] = out.get("time/rollout_wait_s", 0.0) / out["time/step_s"]
-            queued = self.stream.ledger.metrics()["async/in_flight"] if self.stream else 0
-        else:
-            busy = out.get("time/generate_s", 0.0) + learner_s
-        out["time/overhead_s"] = max(0.0, out["time/step_s"] - busy)
+        out.update(self.run.source.metrics(out))
+        out["time/overhead_s"] = max(0.0, out["time/step_s"] - self.run.source.busy_s(out, learner_s))
         out["rollout/queue_depth"] = queued
         return out
 
@@ -324,14 +249,6 @@ class PolicyLoop(Loop):
         }
 
 
-@dataclasses.dataclass
-class InFlight:
-    """one_step_off: the next step's batch, generated and scored while this step trains, and its phase times."""
-
-    batch: Collected
-    timer: PhaseTimer
-
-
 def check_rewards(cfg: FleetConfig) -> None:
     """The task (a dataset's rows read and checked), a reward to train on, and each user reward function (an
     import path) called once on a training prompt with its reference answer as the completion: a ConfigError
@@ -409,17 +326,6 @@ def check_agent_template(cfg: FleetConfig) -> None:
         check_prefix_preserving(tok)
     except TemplateNotPrefixPreserving as e:
         raise ConfigError(f"env.agent={cfg.env.agent}: {e}") from None
-
-
-def samples_to_batch(samples: list, pad_id: int, mask_truncated: bool = False) -> TrainBatch:
-    """Samples in the learner's layout, padded with the tokenizer's ``pad_id`` (masks, not the pad id, say what is
-    real). ``mask_truncated``: a completion cut at the length cap (finish reason ``length``) gets no loss; it
-    still counts as a sequence in the loss's per-sequence normalizers and its reward in its group's baseline."""
-    batch = build_batch([x.prompt_ids for x in samples], [x.completion_ids for x in samples],
-                        [x.logprobs for x in samples], pad_id, [x.loss_mask for x in samples])
-    if mask_truncated:
-        batch.response_mask[torch.tensor([x.finish_reason == "length" for x in samples])] = 0.0
-    return batch
 
 
 def separate_logprob_pass(cfg: FleetConfig) -> bool:

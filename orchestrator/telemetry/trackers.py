@@ -34,7 +34,7 @@ class TensorBoardTracker:
         self.writer.flush()
 
     def log_text(self, tag: str, records: list[dict], step: int) -> None:
-        from orchestrator.evaluation.samples import as_text
+        from orchestrator.telemetry.samples import as_text
 
         self.writer.add_text(tag, as_text(records), step)
         self.writer.flush()
@@ -118,7 +118,7 @@ class MlflowTracker:
             self.client.log_batch(self.run_id, metrics=items[i:i + 1000])
 
     def log_text(self, tag: str, records: list[dict], step: int) -> None:
-        from orchestrator.evaluation.samples import as_text
+        from orchestrator.telemetry.samples import as_text
 
         self.client.log_text(self.run_id, as_text(records), f"{tag}/step_{step:06d}.md")
 
@@ -128,7 +128,8 @@ class MlflowTracker:
 
 TRACKERS: dict[str, Callable[[Path, dict, dict], Tracker]] = {
     "tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker}
-"""``run.loggers`` names besides ``jsonl`` (which :class:`orchestrator.ops.metrics.MetricsLogger` writes itself)."""
+"""``run.loggers`` names besides ``jsonl`` (which :class:`orchestrator.telemetry.metrics.MetricsLogger` writes
+itself)."""
 
 
 def make_trackers(names: list[str], run_dir: Path, params: dict) -> list[Tracker]:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.ops.metrics import progress_line
+from orchestrator.telemetry.metrics import progress_line
 
 if TYPE_CHECKING:
     from orchestrator.config import FleetConfig

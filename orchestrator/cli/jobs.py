@@ -129,7 +129,7 @@ def latest_job(client) -> str:
 
 def job_status(job_id: str | None, address: str | None) -> dict:
     """The job's state (from the job API at ``address``) and its run's latest numbers, as the driver stated them
-    (:mod:`orchestrator.ops.run_status`, read from the cluster's key-value store: this joins the cluster as a Ray
+    (:mod:`orchestrator.telemetry.run_status`, read from the cluster's key-value store: this joins the cluster as a Ray
     client at :func:`gcs_address`, as `fleetrl scale` does; without it the numbers are left out, with a note)."""
     _token_mode()  # before job_client imports ray
     client = job_client(address)
@@ -139,7 +139,7 @@ def job_status(job_id: str | None, address: str | None) -> dict:
            "message": info.message or ""}
     run = (info.metadata or {}).get("fleetrl_run")
     if run:
-        from orchestrator.ops.run_status import read_status
+        from orchestrator.telemetry.run_status import read_status
 
         try:
             _connect(address)
@@ -241,7 +241,7 @@ def reachable(address: str, what: str, timeout_s: float = 5.0) -> None:
 
 def _controller(run: str | None, address: str | None):
     """The run's controller actor and the run's name."""
-    from orchestrator.ops.controller import get_controller
+    from orchestrator.telemetry.controller import get_controller
 
     _connect(address)
     handle = get_controller(run)
@@ -259,10 +259,10 @@ def _call(method, **kwargs):
 
 
 def _poll(run: str, done, wait_s: float, what: str) -> tuple[dict, bool]:
-    """Re-read the run's status record (:mod:`orchestrator.ops.run_status`) every 0.5 s until ``done(status)`` or the
-    run ended, for at most ``wait_s`` (then TimeoutError naming ``what``). Returns the last status and whether the
-    run has ended."""
-    from orchestrator.ops.run_status import read_status
+    """Re-read the run's status record (:mod:`orchestrator.telemetry.run_status`) every 0.5 s until ``done(status)``
+    or the run ended, for at most ``wait_s`` (then TimeoutError naming ``what``). Returns the last status and
+    whether the run has ended."""
+    from orchestrator.telemetry.run_status import read_status
 
     deadline = time.monotonic() + wait_s
     status = read_status(run) or {}

@@ -110,7 +110,7 @@ def _cluster_parsers(sub) -> None:
 
 def _cluster_command(args) -> int:
 
-    from orchestrator.ops import jobs
+    from orchestrator.cli import jobs
 
     if args.command == "submit":
         env = dict(kv.split("=", 1) for kv in args.env)
@@ -233,9 +233,10 @@ def _config_command(args, cfg: FleetConfig, fleet) -> int:
         print(json.dumps((revise if args.action == "revise" else prefer)(cfg, args.n, args.out, fleet=fleet)))
         return 0
     if args.command == "doctor":
-        from orchestrator.rl.doctor import run_doctor
+        from orchestrator.loops import loop_for
+        from orchestrator.rl.driver import run_doctor
 
-        d = run_doctor(cfg, fleet=fleet)
+        d = run_doctor(cfg, loop=loop_for(cfg), fleet=fleet)
         print("\n".join(d.lines()))
         return 0 if d.healthy else 1
     if args.command == "prm" and args.action == "label":
@@ -287,9 +288,9 @@ def _run_training_command(args, cfg: FleetConfig, fleet) -> None:
 
         run_distill(cfg, args.resume, fleet=fleet)
     else:
-        from orchestrator.rl.driver import run_training
+        from orchestrator.loops import train
 
-        run_training(cfg, resume=args.resume, fleet=fleet, checked=True)
+        train(cfg, resume=args.resume, fleet=fleet, checked=True)
 
 
 def _init_model(args) -> int:
@@ -333,11 +334,11 @@ def _build_model(args, out: Path, real: bool) -> None:
 
 def _training(run, cfg: FleetConfig) -> int:
     """Run a training command: a failure inside an actor is reported with the actor's name and its log file."""
-    from orchestrator.ops.console import describe_failure
     from orchestrator.rl.collect import RewardsFailing
     from orchestrator.rl.doctor import MismatchRefused
     from orchestrator.rl.driver import PREEMPTED_EXIT, BadTraining, CheckpointFailed, Preempted
     from orchestrator.rl.learner_group import LearnerDied
+    from orchestrator.telemetry.console import describe_failure
 
     try:
         run()
@@ -453,7 +454,7 @@ def main(argv: list[str] | None = None, fleet=None) -> int:
     the command runs on, kept up afterwards (a process that runs several commands in turn, as a pipeline does)."""
     args = parse_args(argv)
     _import_from_cwd()
-    if args.command != "train":  # a training run sends its log to <run.dir>/logs/driver.log (orchestrator.ops.console)
+    if args.command != "train":  # a training run logs to <run.dir>/logs/driver.log (orchestrator.telemetry.console)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         if args.command in ("submit", "status", "scale", "stop"):

@@ -31,12 +31,12 @@ class PhaseTimer:
 
 class MetricsLogger:
     """``metrics.jsonl`` (the run's record, one object per step), the progress plot, and the trackers of
-    ``run.loggers`` (:mod:`orchestrator.ops.trackers`)."""
+    ``run.loggers`` (:mod:`orchestrator.telemetry.trackers`)."""
 
     def __init__(self, run_dir: Path, plot_every: int, keep_before: int = 0, loggers: tuple[str, ...] = ("jsonl",),
                  params: dict | None = None):
         """``keep_before``: on resume, keep the existing rows of steps before it and drop the rest."""
-        from orchestrator.ops.trackers import make_trackers
+        from orchestrator.telemetry.trackers import make_trackers
 
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
@@ -49,7 +49,7 @@ class MetricsLogger:
         self.plot_every = plot_every
 
     def log(self, metrics: dict) -> None:
-        from orchestrator.ops.trackers import finite_numbers
+        from orchestrator.telemetry.trackers import finite_numbers
 
         clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
                  for k, v in metrics.items()}
@@ -64,7 +64,7 @@ class MetricsLogger:
             self.plot()
 
     def log_samples(self, records: list[dict], step: int) -> None:
-        """A few eval completions with their verdicts (:mod:`orchestrator.evaluation.samples`) as text in the
+        """A few eval completions with their verdicts (:mod:`orchestrator.telemetry.samples`) as text in the
         trackers that show text."""
         if records:
             for tracker in self.trackers:

@@ -10,7 +10,7 @@
 - **Graceful stop.** ``fleetrl stop`` calls :meth:`FleetController.request_stop`; the driver finishes the step it
   is in, evaluates, writes the final policy and exits 0.
 - **Status** is not kept here: ``fleetrl status``, ``scale`` and ``stop`` read the driver's status record
-  (:mod:`orchestrator.ops.run_status`), which outlives the run.
+  (:mod:`orchestrator.telemetry.run_status`), which outlives the run.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class FleetController:
 
     def report(self, metrics: dict) -> None:
         """One step's metrics from the driver: export the fleetrl_* metrics (the run's status record is the
-        driver's, :mod:`orchestrator.ops.run_status`)."""
+        driver's, :mod:`orchestrator.telemetry.run_status`)."""
         for name, (kind, _, key) in METRICS.items():
             value = metrics.get(key)
             if value is None:
@@ -122,7 +122,7 @@ def start_controller(run: str, rollout_workers: int, reward_workers: int, env_wo
 
     import ray
 
-    from orchestrator.ops.run_status import announce
+    from orchestrator.telemetry.run_status import announce
 
     announce(run, {"rollout_workers": rollout_workers, "reward_workers": reward_workers, "env_workers": env_workers})
     name = controller_name(run)
