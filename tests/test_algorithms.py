@@ -26,9 +26,10 @@ def algo(name: str, *overrides: str):
 
 def test_every_algorithm_config_has_exactly_one_assembly_function():
     """Policy-gradient algorithms: one advantage assembly each. The others (SFT, DPO) name a registered loss."""
-    policy = {cls.model_fields["name"].default for cls in algorithm_configs.ALGORITHMS if cls.objective == "policy"}
+    sections = algorithm_configs.ALGORITHM_SECTIONS
+    policy = {cls.model_fields["name"].default for cls in sections if cls.objective == "policy"}
     assert policy == set(ALGORITHMS)
-    others = {cls.objective for cls in algorithm_configs.ALGORITHMS if cls.objective != "policy"}
+    others = {cls.objective for cls in algorithm_configs.ALGORITHM_SECTIONS if cls.objective != "policy"}
     assert others == {"sft", "dpo", "prm", "bradley_terry"} and others <= set(LOSSES)
 
 

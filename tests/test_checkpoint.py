@@ -77,7 +77,7 @@ def test_checkpoints_every_save_every_s_of_training(monkeypatch):
     loop's start), beside `save_every`'s steps; none after a skipped (NaN) update."""
     from orchestrator.config import load_config
     from orchestrator.rl import driver
-    from orchestrator.rl.driver import Run, StepResult
+    from orchestrator.rl.driver import Run, StepOutcome
 
     clock = [0.0]
     monkeypatch.setattr(driver.time, "perf_counter", lambda: clock[0])
@@ -96,7 +96,7 @@ def test_checkpoints_every_save_every_s_of_training(monkeypatch):
 
     class Steps:
         def train_step(self, step):
-            return StepResult({}, skipped_update=step in skipped)
+            return StepOutcome({}, skipped_update=step in skipped)
 
     run.loop = Steps()
     run._metrics = type("NoMetrics", (), {"log": lambda self, m: None})()

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from orchestrator.config.algorithm_sections import (  # noqa: F401 - re-exported: the algorithm sections are part of the config
-    ALGORITHMS,
+    ALGORITHM_SECTIONS,
     AlgorithmConfig,
     DrGRPOConfig,
     GDPOConfig,
@@ -211,9 +211,9 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         if e["type"] == "extra_forbidden":
             parent = _section_for(tuple(e["loc"][:-1]))
             allowed = ", ".join(parent.model_fields) if parent else "?"
-            owners = [m.model_fields["name"].default for m in ALGORITHMS if e["loc"][-1] in m.model_fields]
-            hint = f"; it is a setting of algorithm.name={'|'.join(owners)}" if parent in ALGORITHMS and owners \
-                else ""
+            owners = [m.model_fields["name"].default for m in ALGORITHM_SECTIONS if e["loc"][-1] in m.model_fields]
+            mine = parent in ALGORITHM_SECTIONS and owners
+            hint = f"; it is a setting of algorithm.name={'|'.join(owners)}" if mine else ""
             lines.append(f"  {key}: unknown key (allowed here: {allowed}){hint}")
         elif e["type"] == "union_tag_invalid" or not e["loc"]:  # a cross-field check names its keys itself
             lines.append(f"  {key}: {e['msg']}")
@@ -238,7 +238,7 @@ def _section_for(path: tuple) -> type[BaseModel] | None:
 
 def _union_member(cls: type[BaseModel], part: str, path: tuple) -> type[BaseModel] | None:
     """Pydantic puts the union tag ('grpo') into the error location; map it back to the member class."""
-    for member in ALGORITHMS:
+    for member in ALGORITHM_SECTIONS:
         if member.model_fields["name"].default == part:
             return member
     return None

@@ -256,7 +256,7 @@ class PRMConfig(ObjectiveConfig):
         return False
 
 
-class RewardModelConfig(ObjectiveConfig):
+class BradleyTerryConfig(ObjectiveConfig):
     """A Bradley-Terry preference (reward) model from preference pairs (`fleetrl train` with `algorithm.name:
     reward_model`): pairwise log-sigmoid loss of the score difference, soft labels allowed. The score is the
     log-odds of a tag token after the response (the outcome-model layout of rewards/prm.py), so `final/` is an
@@ -276,10 +276,10 @@ class RewardModelConfig(ObjectiveConfig):
         return False
 
 
-ALGORITHMS = (GRPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, ReinforcePPBaselineConfig, GDPOConfig,
-              GRPOProcessConfig, PPOConfig, OnPolicyDistillConfig, SFTConfig, DPOConfig, PRMConfig, RewardModelConfig)
+ALGORITHM_SECTIONS = (GRPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, ReinforcePPBaselineConfig, GDPOConfig,
+              GRPOProcessConfig, PPOConfig, OnPolicyDistillConfig, SFTConfig, DPOConfig, PRMConfig, BradleyTerryConfig)
 AlgorithmConfig = Annotated[GRPOConfig | DrGRPOConfig | RLOOConfig | ReinforcePPConfig | ReinforcePPBaselineConfig
                             | GDPOConfig | GRPOProcessConfig | PPOConfig | OnPolicyDistillConfig | SFTConfig
-                            | DPOConfig | PRMConfig | RewardModelConfig, Field(discriminator="name")]
-"""Every algorithm section (:data:`ALGORITHMS`, spelled out so a type checker sees the union), told apart by
+                            | DPOConfig | PRMConfig | BradleyTerryConfig, Field(discriminator="name")]
+"""Every algorithm section (:data:`ALGORITHM_SECTIONS`, spelled out so a type checker sees the union), told apart by
 ``name``."""

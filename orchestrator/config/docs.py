@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from orchestrator.config import ALGORITHMS, FleetConfig
+from orchestrator.config import ALGORITHM_SECTIONS, FleetConfig
 
 
 def _type_name(ann) -> str:
@@ -37,7 +37,7 @@ def config_reference_markdown() -> str:
 
     for section, field in FleetConfig.model_fields.items():
         if section == "algorithm":
-            for member in ALGORITHMS:
+            for member in ALGORITHM_SECTIONS:
                 rows.append(f"| **`algorithm` (name: `{member.model_fields['name'].default}`)** | | | "
                             f"{' '.join((member.__doc__ or '').split())} |")
                 walk(member, "algorithm.")

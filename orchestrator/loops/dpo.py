@@ -26,7 +26,7 @@ from orchestrator.data import (
 )
 from orchestrator.loops.policy import check_rewards
 from orchestrator.rl.collect import sample_ages
-from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
+from orchestrator.rl.driver import Loop, Run, StepOutcome, learner_metrics
 from orchestrator.rl.fleet import Roles, training_roles
 from orchestrator.telemetry.metrics import PhaseTimer
 
@@ -64,19 +64,19 @@ class DPOLoop(Loop):
             self.preferences = [r["preference"] for r in rows]
             log.info("dpo pairs %s: %d rows", cfg.algorithm.pairs, len(self.pairs))
 
-    def train_step(self, step: int) -> StepResult:
+    def train_step(self, step: int) -> StepOutcome:
         return self.offline_step(step) if self.pairs else self.online_step(step)
 
-    def offline_step(self, step: int) -> StepResult:
+    def offline_step(self, step: int) -> StepOutcome:
         timer = PhaseTimer()
         t0 = time.perf_counter()
         idx = draw(len(self.pairs), step, self.cfg.sequences_per_step // 2, self.cfg.trainer.seed)
         result = self._update([self.pairs[i] for i in idx], timer, [self.preferences[i] for i in idx])
-        self.run.engines_stale = True
+        result.engines_stale = True
         result.metrics.update({"throughput/pairs_per_s": len(idx) / (time.perf_counter() - t0), **timer.metrics()})
         return result
 
-    def online_step(self, step: int) -> StepResult:
+    def online_step(self, step: int) -> StepOutcome:
         timer = PhaseTimer()
         collected = self.run.source.take(step, timer)
         scored, reward_errors = collected.scored, collected.reward_errors
@@ -100,10 +100,10 @@ class DPOLoop(Loop):
             out["dpo/pairs"] = 0
         out = {**out, **timer.metrics()}
         out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
-        return StepResult(out, skipped, reward_errors)
+        return StepOutcome(out, skipped, reward_errors)
 
     def _update(self, pairs: list[tuple[Example, Example]], timer: PhaseTimer,
-                preferences: list[float] | None = None) -> StepResult:
+                preferences: list[float] | None = None) -> StepOutcome:
         rows = [e for pair in pairs for e in pair]
         batch = examples_batch(rows, self.cfg.sequences_per_step, self.run.pad_id, rows_per_unit=2)
         if preferences and any(p != 1.0 for p in preferences):  # soft labels ride on both rows of their pair
@@ -111,4 +111,4 @@ class DPOLoop(Loop):
             batch.targets[:len(rows)] = torch.tensor([p for p in preferences for _ in (0, 1)])[:, None]
         with timer("learn"):
             update = self.run.learn(batch)
-        return StepResult({**learner_metrics(update.metrics), "dpo/pairs": len(pairs)}, update.skipped)
+        return StepOutcome({**learner_metrics(update.metrics), "dpo/pairs": len(pairs)}, update.skipped)

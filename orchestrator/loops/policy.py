@@ -19,7 +19,7 @@ from learner.batch import TrainBatch
 from learner.corrections import logprob_gap_stats, reject
 from orchestrator.config import FleetConfig
 from orchestrator.rl.collect import mask_invalid_rewards, samples_to_batch
-from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
+from orchestrator.rl.driver import Loop, Run, StepOutcome, learner_metrics
 from orchestrator.rl.episode_metrics import episode_metrics, episode_return
 from orchestrator.rl.fleet import Roles, training_roles
 from orchestrator.rl.launch import make_task
@@ -59,7 +59,7 @@ class PolicyLoop(Loop):
         """The actors this loop uses (:func:`orchestrator.rl.fleet.training_roles`): RL generates every step."""
         return training_roles(cfg, generates=True)
 
-    def train_step(self, step: int) -> StepResult:
+    def train_step(self, step: int) -> StepOutcome:
         timer = PhaseTimer()
         collected = self.run.source.take(step, timer)
         scored = collected.scored
@@ -99,7 +99,7 @@ class PolicyLoop(Loop):
             out["process/steps_per_sample"] = float(present.sum(1).float().mean())
         out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
         out["throughput/samples_per_s"] = len(scored) / out["time/step_s"]
-        return StepResult(out, update.skipped, collected.reward_errors)
+        return StepOutcome(out, update.skipped, collected.reward_errors)
 
     def _check_staleness(self, scored: list[ScoredSample]) -> int:
         """How many versions the oldest sample lags the learner; past ``rollout.max_staleness`` is an error."""

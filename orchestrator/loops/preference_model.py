@@ -21,7 +21,7 @@ from learner.losses import tag_log_odds
 from orchestrator.config import ConfigError, FleetConfig
 from orchestrator.data import draw, load_pairs
 from orchestrator.loops.process_reward import PRMExample, held_out, prm_batch
-from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
+from orchestrator.rl.driver import Loop, Run, StepOutcome, learner_metrics
 from orchestrator.rl.fleet import Roles, training_roles
 from orchestrator.rl.reasoning_steps import step_separator
 from orchestrator.telemetry.metrics import PhaseTimer
@@ -89,14 +89,14 @@ class RewardModelLoop(Loop):
         q = row["preference"]
         return [self.side(row["prompt"], row["chosen"], q), self.side(row["prompt"], row["rejected"], q)]
 
-    def train_step(self, step: int) -> StepResult:
+    def train_step(self, step: int) -> StepOutcome:
         timer = PhaseTimer()
         n = self.cfg.sequences_per_step
         idx = draw(len(self.train_rows), step, n // 2, self.cfg.trainer.seed)
         rows = [e for i in idx for e in self.pair(self.train_rows[i])]
         with timer("learn"):
             update = self.run.learn(prm_batch(rows, n, self.run.pad_id, rows_per_unit=2))
-        return StepResult({**learner_metrics(update.metrics), "rm/epoch": (step + 1) * len(idx) / len(self.train_rows),
+        return StepOutcome({**learner_metrics(update.metrics), "rm/epoch": (step + 1) * len(idx) / len(self.train_rows),
                            **timer.metrics()}, update.skipped)
 
     def held_out_margins(self) -> list[float]:

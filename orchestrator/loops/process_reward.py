@@ -30,7 +30,7 @@ import torch
 from orchestrator.config import ConfigError, FleetConfig
 from orchestrator.data import Example, draw, examples_batch, read_jsonl, write_jsonl
 from orchestrator.evaluation.search.methods import mc_labels
-from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
+from orchestrator.rl.driver import Loop, Run, StepOutcome, learner_metrics
 from orchestrator.rl.fleet import Roles, training_roles
 from orchestrator.rl.reasoning_steps import step_ends, step_separator
 from orchestrator.telemetry.metrics import PhaseTimer
@@ -230,13 +230,13 @@ class PRMLoop(Loop):
         log.info("prm labels %s: %d training / %d held-out solutions, target %s", p.labels, len(train),
                  len(self.held), p.target)
 
-    def train_step(self, step: int) -> StepResult:
+    def train_step(self, step: int) -> StepOutcome:
         timer = PhaseTimer()
         n = self.cfg.sequences_per_step
         rows = [self.examples[i] for i in draw(len(self.examples), step, n, self.cfg.trainer.seed)]
         with timer("learn"):
             update = self.run.learn(prm_batch(rows, n, self.run.pad_id))
-        return StepResult({**learner_metrics(update.metrics), "prm/epoch": (step + 1) * n / len(self.examples),
+        return StepOutcome({**learner_metrics(update.metrics), "prm/epoch": (step + 1) * n / len(self.examples),
                            **timer.metrics()}, update.skipped)
 
     def held_out_scores(self) -> list[list[float]]:

@@ -21,7 +21,7 @@ from orchestrator.data import examples_batch, sample_example
 from orchestrator.loops.policy import check_rewards
 from orchestrator.loops.sft import objective_config
 from orchestrator.rl.collect import sample_ages
-from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
+from orchestrator.rl.driver import Loop, Run, StepOutcome, learner_metrics
 from orchestrator.rl.episode_metrics import episode_return
 from orchestrator.rl.fleet import Roles, training_roles
 from orchestrator.telemetry.metrics import PhaseTimer
@@ -70,7 +70,7 @@ class RFTLoop(Loop):
     def roles(cls, cfg: FleetConfig) -> Roles:
         return training_roles(cfg, generates=True)
 
-    def train_step(self, step: int) -> StepResult:
+    def train_step(self, step: int) -> StepOutcome:
         """One round: generate, score, keep the verified-correct samples, supervised update, push weights."""
         timer = PhaseTimer()
         collected = self.run.source.take(step, timer)
@@ -98,7 +98,7 @@ class RFTLoop(Loop):
                  100 * out["rft/kept_fraction"], out["train/accuracy"])
         out.update(timer.metrics())
         out["throughput/tokens_per_s"] = out["tokens_generated"] / out["time/step_s"]
-        return StepResult(out, skipped, reward_errors)
+        return StepOutcome(out, skipped, reward_errors)
 
     def summary(self) -> dict:
         return {"algorithm": "rft", "rounds": self.cfg.rft.rounds}

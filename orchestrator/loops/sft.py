@@ -13,7 +13,7 @@ import time
 
 from orchestrator.config import ConfigError, FleetConfig
 from orchestrator.data import Example, ExampleRenderer, draw, examples_batch, load_sft_rows
-from orchestrator.rl.driver import Loop, Run, StepResult, learner_metrics
+from orchestrator.rl.driver import Loop, Run, StepOutcome, learner_metrics
 from orchestrator.rl.fleet import Roles, training_roles
 from orchestrator.telemetry.metrics import PhaseTimer
 from rewards.datasets import DatasetError
@@ -69,7 +69,7 @@ class SFTLoop(Loop):
         self.examples = render_rows(cfg.sft.data, renderer)
         log.info("sft data %s: %d rows", cfg.sft.data, len(self.examples))
 
-    def train_step(self, step: int) -> StepResult:
+    def train_step(self, step: int) -> StepOutcome:
         timer = PhaseTimer()
         t0 = time.perf_counter()
         rows = [self.examples[i] for i in draw(len(self.examples), step, self.cfg.sequences_per_step,
@@ -77,12 +77,11 @@ class SFTLoop(Loop):
         batch = examples_batch(rows, self.cfg.sequences_per_step, self.run.pad_id)
         with timer("learn"):
             update = self.run.learn(batch)
-        self.run.engines_stale = True
         tokens = int(batch.response_mask.sum())
-        return StepResult({**learner_metrics(update.metrics), "sft/tokens": tokens,
+        return StepOutcome({**learner_metrics(update.metrics), "sft/tokens": tokens,
                            "sft/epoch": (step + 1) * len(rows) / len(self.examples),
                            "throughput/tokens_per_s": tokens / (time.perf_counter() - t0), **timer.metrics()},
-                          update.skipped)
+                          update.skipped, engines_stale=True)
 
 
 def run_sft(cfg: FleetConfig, resume: str | None = None, fleet=None) -> list[dict]:

@@ -42,13 +42,16 @@ log = logging.getLogger("fleetrl")
 
 
 @dataclasses.dataclass
-class StepResult:
+class StepOutcome:
     """What a loop's training step returns: its metrics, and what the driver acts on, typed (not read back from
     metric names): whether the update was skipped for a NaN/Inf gradient, and failed reward-function calls."""
 
     metrics: dict
     skipped_update: bool = False
     reward_errors: int = 0
+    engines_stale: bool = False
+    """The learner was updated without a push (a supervised step): the engines get the weights before they
+    generate next (an eval's)."""
 
 
 class Loop:
@@ -68,7 +71,7 @@ class Loop:
     def roles(cls, cfg: FleetConfig) -> Roles:
         raise NotImplementedError
 
-    def train_step(self, step: int) -> StepResult:
+    def train_step(self, step: int) -> StepOutcome:
         raise NotImplementedError
 
     def evaluate(self, step: int) -> dict:
@@ -287,6 +290,8 @@ class Run:
         """The loop's step, its metrics into ``metrics``, a checkpoint on the cadence; the bad steps in a row."""
         result = self.loop.train_step(step)
         metrics.update(result.metrics)
+        if result.engines_stale:
+            self.engines_stale = True
         if step == self.start_step:  # this process's first step: what a user waits for after submitting
             metrics.update({"time/startup_s": self.startup_s,
                             "time/first_step_s": time.perf_counter() - self.t_config})
@@ -309,7 +314,7 @@ class Run:
         self.console.print(f"fleetrl: SIGTERM: stopped after step {next_step - 1}; {where}")
         raise Preempted(f"stopped by SIGTERM after step {next_step - 1}; {where}")
 
-    def _warn(self, step: int, result: StepResult, bad_steps: int) -> None:
+    def _warn(self, step: int, result: StepOutcome, bad_steps: int) -> None:
         """The per-step warnings that matter on the console: a skipped update, failed reward calls."""
         if result.skipped_update:
             log.warning("step %d: update skipped (NaN/Inf loss or gradient), %d in a row (the run stops at "
@@ -318,7 +323,7 @@ class Run:
             log.warning("step %d: %d reward-function calls raised or timed out and scored 0 (tracebacks in %s)",
                         step, result.reward_errors, self.run_dir / "logs" / "reward-*.log")
 
-    def _count_bad_step(self, result: StepResult, metrics: dict, bad_steps: int) -> int:
+    def _count_bad_step(self, result: StepOutcome, metrics: dict, bad_steps: int) -> int:
         """A step whose update was skipped for a NaN/Inf gradient is bad; too many in a row stop the run."""
         bad_steps = bad_steps + 1 if result.skipped_update else 0
         metrics["train/bad_steps_in_a_row"] = bad_steps
