@@ -75,6 +75,7 @@ class LearnerSpec:
     lora: dict | None = None
     load_kwargs: dict = field(default_factory=dict)  # from_pretrained's: trust_remote_code, attn_implementation
     schedule: dict | None = None  # lr_factor's keywords (kind, warmup, total, min_ratio); None: ds_config's
+    push_dtype: str | None = None  # the engines' dtype: a push sends floating tensors no wider than it
 
 
 class LearnerWorker(LoggedActor):
@@ -129,6 +130,7 @@ class LearnerWorker(LoggedActor):
         self.role = role
         self.autocast = getattr(torch, spec.autocast) if spec.autocast else None  # mixed precision: compute dtype
         self.lora_push = (lora or {}).get("push", "merged")
+        self.push_dtype = spec.push_dtype
         self.has_ref = spec.reference and role != "critic"
         if role == "critic":
             self.hf_model = AutoModelForTokenClassification.from_pretrained(spec.model_path, num_labels=1,
@@ -344,22 +346,24 @@ class LearnerWorker(LoggedActor):
         ZeRO-3 context to read full tensors in (None: they are whole, or the mapping gathers itself)."""
         import deepspeed
 
-        from workers.weight_buckets import param_specs
+        from workers.weight_buckets import narrowed_specs, param_specs
 
         def gather(params):
             return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
         gathered = gather if self.zero_stage == 3 else None
+        narrow = self.push_dtype if push else None  # an export keeps the learner's dtype
         if self.peft is None:
-            return param_specs(self.hf_model.named_parameters()), dict(self.hf_model.named_parameters()), gathered
+            return (narrowed_specs(param_specs(self.hf_model.named_parameters()), narrow),
+                    dict(self.hf_model.named_parameters()), gathered)
         from learner.lora import adapter_weights, merged_weights
 
         if push and self.lora_push == "adapter":
             adapters = adapter_weights(self.hf_model)
-            return param_specs(adapters.items()), adapters, gathered
+            return narrowed_specs(param_specs(adapters.items()), narrow), adapters, gathered
 
         merged = merged_weights(self.hf_model, adapted_only=push, gather=gathered)
-        return merged.specs(), merged, None
+        return narrowed_specs(merged.specs(), narrow), merged, None
 
     def _gathered(self, bucket_mb: float, push: bool = True):
         """``(plan, full tensors)`` per weight bucket (:func:`workers.weight_buckets.gathered_buckets`), gathered
@@ -392,9 +396,12 @@ class LearnerWorker(LoggedActor):
         record the same of what they received: the mismatch doctor compares them)."""
         import torch
 
-        return {name: (float(t.sum(dtype=torch.float64)), float(t.abs().sum(dtype=torch.float64)))
+        from workers.weight_buckets import as_planned
+
+        return {name: (float(x.sum(dtype=torch.float64)), float(x.abs().sum(dtype=torch.float64)))
                 for plan, chunk in self._gathered(bucket_mb) if self.rank == 0
-                for name, t in zip(plan.names, chunk) if t.is_floating_point()}
+                for name, t, dtype in zip(plan.names, chunk, plan.dtypes) if t.is_floating_point()
+                for x in (as_planned(t.detach(), dtype),)}
 
     # ---- collective weight push (rollout.weight_sync=collective) ---------------------------------------
     def weight_specs(self) -> list:

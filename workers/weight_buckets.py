@@ -86,16 +86,40 @@ def param_specs(named_params: Iterable[tuple[str, torch.Tensor]]) -> list[Tensor
             for name, p in named_params]
 
 
+FLOATS = ("float64", "float32", "bfloat16", "float16")
+"""The dtypes a push may narrow (:func:`narrowed_specs`)."""
+
+
+def narrowed_specs(specs: Sequence[TensorSpec], dtype: str | None) -> list[TensorSpec]:
+    """``specs`` with every floating matrix wider than ``dtype`` planned as ``dtype`` (a push to engines serving
+    ``dtype``: an fp32 learner sends bf16 matrices, half the bytes, rounded to nearest here; the engine would round
+    them on load anyway, vLLM's reload not always to nearest: within one bf16 step of it). Vectors (biases, norms)
+    keep their dtype: a CPU engine may hold them in fp32, and they are a sliver of the bytes. None, or a wider
+    ``dtype``: unchanged."""
+    if dtype is None:
+        return list(specs)
+    return [(name, shape, dtype if src in FLOATS and len(shape) >= 2 and DTYPE_BYTES[src] > DTYPE_BYTES[dtype]
+             else src) for name, shape, src in specs]
+
+
+def as_planned(t: torch.Tensor, dtype: str) -> torch.Tensor:
+    """``t`` in its planned dtype (a narrowed push rounds to nearest here)."""
+    return t if str(t.dtype).removeprefix("torch.") == dtype else t.to(getattr(torch, dtype))
+
+
 def pack_bucket(plan: BucketPlan, tensors: Sequence[torch.Tensor], device: torch.device | str = "cpu"
                 ) -> torch.Tensor:
-    """Copy the bucket's tensors (full, not ZeRO-3 shards: gather first) into one new uint8 buffer on ``device``."""
+    """Copy the bucket's tensors (full, not ZeRO-3 shards: gather first) into one new uint8 buffer on ``device``,
+    each in its planned dtype (a floating tensor planned narrower is rounded, :func:`narrowed_specs`)."""
     buf = torch.zeros(plan.nbytes, dtype=torch.uint8, device=device)
     for name, shape, dtype, off, t in zip(plan.names, plan.shapes, plan.dtypes, plan.offsets, tensors, strict=True):
-        if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != dtype:
+        src = str(t.dtype).removeprefix("torch.")
+        if tuple(t.shape) != shape or (src != dtype and not (src in FLOATS and dtype in FLOATS)):
             raise ValueError(f"{name}: planned {dtype}{list(shape)}, got {t.dtype}{list(t.shape)} (a ZeRO-3 "
                              "parameter must be gathered before packing)")
+        t = as_planned(t.detach(), dtype)
         nbytes = t.numel() * t.element_size()
-        buf[off: off + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
+        buf[off: off + nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
     return buf
 
 

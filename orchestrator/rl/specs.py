@@ -67,7 +67,7 @@ def learner_spec(cfg: FleetConfig, role: str = "actor") -> LearnerSpec:
     return LearnerSpec(cfg.model.path, cfg.model.dtype, dsc, loss_kwargs, learner_temperature(cfg), cfg.trainer.seed,
                        lc.gradient_checkpointing, role, cfg.uses_reference, lc.mixed_precision, learner_layout(cfg),
                        lc.lora.spec() if role == "actor" or lc.lora.critic else None, load_kwargs(cfg),
-                       lr_schedule(cfg) if decays else None)
+                       lr_schedule(cfg) if decays else None, cfg.engine_dtype if role == "actor" else None)
 
 
 def lr_schedule(cfg: FleetConfig) -> dict:
