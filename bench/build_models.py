@@ -38,6 +38,9 @@ PRESETS: dict[str, dict] = {
     "push-1m": dict(hidden=128, intermediate=384, layers=5, heads=4, kv_heads=2, head_dim=32, max_pos=256),
     "push-10m": dict(hidden=384, intermediate=1152, layers=6, heads=6, kv_heads=2, head_dim=64, max_pos=256),
     "push-100m": dict(hidden=1024, intermediate=3328, layers=8, heads=16, kv_heads=2, head_dim=64, max_pos=256),
+    # Qwen2.5-0.5B's layer shapes (hidden 896, 24 layers, 14 heads, 2 kv heads) with the character vocabulary:
+    # ~0.36 B params (bench.push_dtype)
+    "push-500m": dict(hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2, head_dim=64, max_pos=256),
 }
 SEED = 1234
 

@@ -159,10 +159,10 @@ def profile() -> dict:
         phases[name] = round(time.perf_counter() - t0 - sum(phases.values()), 2)
 
     from orchestrator.config import load_config
-    from orchestrator.telemetry.console import Console
+    from orchestrator.loops.policy import PolicyLoop
     from orchestrator.rl.driver import Run
     from orchestrator.rl.launch import init_ray
-    from orchestrator.loops.policy import PolicyLoop
+    from orchestrator.telemetry.console import Console
     lap("driver imports")
     run_dir = (RUNS_DIR / "startup-profile").resolve()
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -27,14 +27,15 @@ FULL = dict(models=["push-1m", "push-10m", "push-100m"], reps=3)
 QUICK = dict(models=["push-1m"], reps=1)
 
 
-def push(pool, named, bucket_mb: float, workers: int, version: int) -> dict:
-    """One push into the first ``workers`` engines of ``pool``; phase seconds."""
+def push(pool, named, bucket_mb: float, workers: int, version: int, narrow: str | None = None) -> dict:
+    """One push into the first ``workers`` engines of ``pool`` (``narrow``: matrices sent in that dtype, as the
+    learner does for narrower engines); phase seconds and bytes."""
     import ray
 
-    from workers.weight_buckets import gathered_buckets, param_specs, plan_buckets, to_object
+    from workers.weight_buckets import gathered_buckets, narrowed_specs, param_specs, plan_buckets, to_object
 
     t0 = time.perf_counter()
-    plans = plan_buckets(param_specs(named), int(bucket_mb * 2**20))
+    plans = plan_buckets(narrowed_specs(param_specs(named), narrow), int(bucket_mb * 2**20))
     buckets = [to_object(plan, chunk) for plan, chunk in gathered_buckets(plans, dict(named))]
     t1 = time.perf_counter()
     refs = [ray.put(b) for b in buckets]
@@ -45,7 +46,7 @@ def push(pool, named, bucket_mb: float, workers: int, version: int) -> dict:
         loads = ray.get([w.load_weights.remote(refs, version) for w in pool.workers[:workers]])
     t3 = time.perf_counter()
     return {"pack_s": t1 - t0, "put_s": t2 - t1, "load_s": t3 - t2, "total_s": t3 - t0, "buckets": len(refs),
-            "engine_reload_s": max(x["seconds"] for x in loads)}
+            "engine_reload_s": max(x["seconds"] for x in loads), "bytes": sum(p.nbytes for p in plans)}
 
 
 def memcpy_floor(nbytes: int, reps: int = 5) -> float:

@@ -415,13 +415,14 @@ class LearnerWorker(LoggedActor):
         host, port, self._weight_socket = nccl_sync.open_endpoint()
         return host, port
 
-    def join_weight_group(self, host: str, port: int, world_size: int, backend: str) -> None:
+    def join_weight_group(self, host: str, port: int, world_size: int, backend: str,
+                          timeout_s: float | None = None) -> None:
         """Rank 0 joins the weight group as its rank 0 (the other ranks only take part in ZeRO-3 gathers)."""
         from workers import nccl_sync
 
         if self.rank == 0:
             self._weight_comm = nccl_sync.weight_communicator(backend, host, port, 0, world_size, self.device,
-                                                              listen_socket=self._weight_socket)
+                                                              listen_socket=self._weight_socket, timeout_s=timeout_s)
 
     def broadcast_weights(self, plans: list) -> int:
         """Every rank calls this (the ZeRO-3 gather is collective); rank 0 broadcasts each bucket."""

@@ -83,17 +83,22 @@ class _GlooBroadcast:
 
 
 def weight_communicator(backend: str, host: str, port: int, rank: int, world_size: int,
-                        device: torch.device | int | str, listen_socket: socket.socket | None = None):
+                        device: torch.device | int | str, listen_socket: socket.socket | None = None,
+                        timeout_s: float | None = None):
     """Join the weight group. Every rank calls this at about the same time (it is a rendezvous); rank 0 passes
-    the socket from :func:`open_endpoint`."""
+    the socket from :func:`open_endpoint`. ``timeout_s`` (gloo): the longest the rendezvous or one broadcast
+    waits for a peer before it raises (``rollout.weight_sync_timeout_s``; None: torch's default, 30 min)."""
     if backend not in BACKENDS:
         raise ValueError(f"weight sync backend {backend!r}: expected one of {BACKENDS}")
     sock = {"listen_socket": listen_socket} if listen_socket is not None else {}
     if backend == "gloo":
+        from datetime import timedelta
+
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
+        timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
         return _GlooBroadcast(stateless_init_torch_distributed_process_group(host, port, rank, world_size, "gloo",
-                                                                             **sock))
+                                                                             timeout=timeout, **sock))
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
     from vllm.distributed.utils import StatelessProcessGroup
 
@@ -152,10 +157,11 @@ class NcclWeightSyncExtension(WeightSyncExtension):
     vLLM worker (``self.rank`` is its rank within the engine, ``self.device`` its device)."""
 
     def fleetrl_init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
-                                  backend: str = "nccl") -> int:
+                                  backend: str = "nccl", timeout_s: float | None = None) -> int:
         """Join the learner's weight group as rank ``rank_offset + self.rank``; returns that rank."""
         rank = rank_offset + self.rank
-        self._fleetrl_weight_comm = weight_communicator(backend, host, port, rank, world_size, self.device)
+        self._fleetrl_weight_comm = weight_communicator(backend, host, port, rank, world_size, self.device,
+                                                        timeout_s=timeout_s)
         return rank
 
     def fleetrl_receive_tensors(self, plans: Sequence[BucketPlan]) -> list[tuple[str, torch.Tensor]]:

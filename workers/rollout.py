@@ -414,10 +414,12 @@ class RolloutWorker(LoggedActor):
         loaded = self._reload(lambda: self.llm.collective_rpc("fleetrl_reload_weights", args=(stream(),))[0], 0)
         return {"tensors": loaded, "seconds": time.perf_counter() - t0, "version": 0}
 
-    def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> list[int]:
+    def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
+                          timeout_s: float | None = None) -> list[int]:
         """Every worker of this engine joins the learner's weight group (see :mod:`workers.nccl_sync`)."""
         return self._on_engine(lambda: self.llm.collective_rpc(
-            "fleetrl_init_weight_group", args=(host, port, rank_offset, world_size, backend)), "join_weight_group")
+            "fleetrl_init_weight_group", args=(host, port, rank_offset, world_size, backend, timeout_s)),
+            "join_weight_group")
 
     def receive_weights(self, plans: list, version: int) -> dict:
         """Receive one collective push (learner rank 0 broadcasts) and reload the engine in place."""

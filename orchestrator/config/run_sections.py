@@ -202,6 +202,10 @@ class RolloutConfig(Section):
     (works across restarts and resizes as is). `collective`: learner rank 0 broadcasts the buckets into every engine
     worker over one extra process group (NCCL on GPU, gloo on CPU; `workers/nccl_sync.py`), rebuilt after a
     restart or resize. On this 2-core CPU machine the object store is the faster (see README)."""
+    weight_sync_timeout_s: float = Field(300.0, gt=0.0, le=86400.0)
+    """`collective`: the longest any call of the weight group may wait (its rendezvous, a bucket's broadcast), so a
+    push whose peer died or stalls mid-broadcast fails within this instead of hanging (gloo; NCCL's communicator
+    has no timeout). The object-store push fails at once when an engine dies."""
     seed: int = 0
     """Base sampling seed; sample seeds derive from it, the step and the prompt index."""
     max_restarts: int = Field(3, ge=0)

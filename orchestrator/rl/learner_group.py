@@ -112,14 +112,15 @@ class LearnerGroup:
         """``name -> (sum, sum of |x|)`` of every floating tensor a push sends (rank 0's, see the worker)."""
         return self._get([w.weight_checksums.remote(self.cfg.rollout.weight_bucket_mb) for w in self.ranks])[0]
 
-    def open_weight_group(self, engines: int, workers_per_engine: int, backend: str) -> tuple[list, int, tuple]:
+    def open_weight_group(self, engines: int, workers_per_engine: int, backend: str,
+                          timeout_s: float | None = None) -> tuple[list, int, tuple]:
         """Start learner rank 0's side of a weight group for ``engines`` engines; returns its ObjectRefs, the group
         size and the rendezvous address (host, port) the engines join at."""
         from workers.nccl_sync import group_world_size
 
         world = group_world_size(engines, workers_per_engine)
         endpoint = self._get([self.ranks[0].weight_endpoint.remote()])[0]
-        return [self.ranks[0].join_weight_group.remote(*endpoint, world, backend)], world, tuple(endpoint)
+        return [self.ranks[0].join_weight_group.remote(*endpoint, world, backend, timeout_s)], world, tuple(endpoint)
 
     def weight_plans(self, bucket_mb: float) -> list:
         from workers.weight_buckets import plan_buckets

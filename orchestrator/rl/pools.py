@@ -269,12 +269,13 @@ class RolloutPool(ActorPool):
                             [part] * len(self.workers))
         return [s for out in outs for s in out]
 
-    def join_weight_group(self, host: str, port: int, world_size: int, backend: str) -> list:
+    def join_weight_group(self, host: str, port: int, world_size: int, backend: str,
+                          timeout_s: float | None = None) -> list:
         """ObjectRefs of every engine joining the weight group (a rendezvous with learner rank 0)."""
         from workers.nccl_sync import engine_rank_offset
 
         tp = self.cfg.rollout.tensor_parallel_size
-        return [w.join_weight_group.remote(host, port, engine_rank_offset(i, tp), world_size, backend)
+        return [w.join_weight_group.remote(host, port, engine_rank_offset(i, tp), world_size, backend, timeout_s)
                 for i, w in enumerate(self.workers)]
 
     def receive_weights(self, plans: list, version: int) -> list:

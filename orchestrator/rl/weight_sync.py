@@ -121,8 +121,9 @@ class CollectiveSync(WeightSync):
         backend = "nccl" if torch.cuda.is_available() or self.cfg.rollout.num_gpus else "gloo"
         self.plans = self.learner.weight_plans(self.cfg.rollout.weight_bucket_mb)
         learner_refs, world, endpoint = self.learner.open_weight_group(
-            len(self.rollouts.workers), self.cfg.rollout.tensor_parallel_size, backend)
-        ray.get(self.rollouts.join_weight_group(*endpoint, world, backend))
+            len(self.rollouts.workers), self.cfg.rollout.tensor_parallel_size, backend,
+            self.cfg.rollout.weight_sync_timeout_s)
+        ray.get(self.rollouts.join_weight_group(*endpoint, world, backend, self.cfg.rollout.weight_sync_timeout_s))
         get_ranks(learner_refs)
         self.membership = self.rollouts.membership
         log.info("weight group (%s) of %d ranks formed; %d buckets per push", backend, world, len(self.plans))
