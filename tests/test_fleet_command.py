@@ -1,26 +1,19 @@
-"""`Fleet.for_command` on a tiny real Ray instance (private, started by the command's own `init_ray`, one reward
-actor per fleet, ~15 s): a command that starts its fleet stops every actor of it on exit, error or not; a fleet it
-was given (a pipeline's, the test suite's fleet server) serves it and is left running."""
+"""`Fleet.for_command` on a tiny real Ray instance (private, started by the command's own `init_ray` in a process
+of its own, as a command's; one reward actor per fleet, ~15 s): a command that starts its fleet stops every actor of
+it on exit, error or not; a fleet it was given (a pipeline's, the test suite's fleet server) serves it and is left
+running."""
 
 import contextlib
+import subprocess
+import sys
 import time
 
 import pytest
 
 from orchestrator.config import load_config
 from orchestrator.rl.fleet import Fleet, Roles
-
-
-@pytest.fixture(scope="module")
-def ray_of_this_module():
-    """Ray as the first `for_command` leaves it (a private local instance unless this process was joined to one
-    before), shut down after the module when it was started here."""
-    import ray
-
-    joined = ray.is_initialized()
-    yield
-    if not joined:
-        ray.shutdown()
+from tests.conftest import subprocess_env
+from tests.test_e2e import ROOT
 
 
 def _gone(handles: list, within_s: float) -> bool:
@@ -41,10 +34,21 @@ def _gone(handles: list, within_s: float) -> bool:
         time.sleep(0.2)
 
 
-def test_a_command_stops_the_fleet_it_started_and_leaves_a_given_one_up(tmp_path, ray_of_this_module):
+@pytest.mark.own_fleet
+def test_a_command_stops_the_fleet_it_started_and_leaves_a_given_one_up(tmp_path):
     """eval, search, `prm label` and `cai` take their fleet from :meth:`Fleet.for_command`: started by the command,
     its actors are gone when the command ends (and when it fails); given, the same fleet serves it, its groups kept
-    (:func:`plan_serve`), and still answers after it."""
+    (:func:`plan_serve`), and still answers after it. In a process of its own (a private Ray, as a command's)."""
+    script = f"from tests.test_fleet_command import scenario; scenario({str(tmp_path)!r}); print('SCENARIO OK')"
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=subprocess_env(RAY_USAGE_STATS_ENABLED="0"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "SCENARIO OK" in r.stdout, (r.stdout + r.stderr)[-4000:]
+
+
+def scenario(tmp_path: str) -> None:
+    """The test's body, in a process whose first `for_command` starts a private Ray."""
+    import ray
+
     cfg = load_config(None, ["reward.num_workers=1", f"run.dir={tmp_path}/eval"])
     roles = Roles(reward=True)
     with Fleet.for_command(None, cfg, roles) as own:
@@ -67,3 +71,4 @@ def test_a_command_stops_the_fleet_it_started_and_leaves_a_given_one_up(tmp_path
     finally:
         given.stop()
     assert _gone(handles, 30)
+    ray.shutdown()
