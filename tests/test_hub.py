@@ -164,6 +164,11 @@ def test_a_trl_reward_binds_at_load_and_cannot_be_the_verifier():
         load_config(None, ["data.verifier=tests.test_hub:trl_accuracy"])
     with pytest.raises(ConfigError, match="cannot take"):
         load_config(None, ["reward.functions=[{name: 'tests.test_hub:trl_no_kwargs', params: {a: 1}}]"])
+    # only a run with a TRL-signature function ships token ids and policy versions to its reward actors
+    from orchestrator.rl.pools import sends_token_ids
+
+    assert sends_token_ids(cfg) and not sends_token_ids(load_config(None, []))
+    assert not sends_token_ids(load_config(None, ["reward.functions=[{name: 'tests.test_bad_input:good_reward'}]"]))
 
 
 @pytest.mark.parametrize("text", ["### Final answer\n159", "### Final Answer:\n159", "**Final Answer**\n\n159",

@@ -423,8 +423,7 @@ class Run:
             self.console.print(sample_line(step, r))
         restating = sum(r["restates_prompt"] for r in records) / len(records)
         out = {"eval/accuracy": sum(correct) / len(correct), "eval/restate_frac": restating,
-               "eval/verify_timeouts": verify_timeouts() - timeouts,
-               "time/eval_s": time.perf_counter() - t0}
+               "eval/verify_timeouts": verify_timeouts() - timeouts}
         if self.cfg.env.multi_turn:
             out.update(eval_episode_metrics(samples))
         if self.cfg.trainer.eval_samples:

@@ -345,6 +345,7 @@ class RewardPool(ActorPool):
         self.first_error: str | None = None  # the last score call's first failure, one line
         self.model_pool = RewardModelPool(cfg) if cfg.reward.model.path else None
         self.judge, self.judge_engines = judge or (None, None)
+        self.sends_ids = sends_token_ids(cfg)
 
     def ready(self) -> list:
         own_engines = isinstance(self.judge_engines, JudgePool)
@@ -366,7 +367,8 @@ class RewardPool(ActorPool):
         parts = _chunks(samples, len(self.workers))
         outs = self.fan_out(
             lambda w, part: w.score.remote([(s.prompt_text, s.completion_text, s.metadata) for s in part],
-                                           [(s.completion_ids, s.policy_version) for s in part]), parts)
+                                           [(s.completion_ids, s.policy_version) for s in part]
+                                           if self.sends_ids else None), parts)
         results, errors, self.first_error = [], 0, None
         for out, errs, timeouts, first in outs:
             results.extend(out)
@@ -486,3 +488,13 @@ def _free() -> str:
 
 class StartupTimeout(RuntimeError):
     """The actors were not placed and started within ``run.startup_timeout_s``."""
+
+
+def sends_token_ids(cfg: FleetConfig) -> bool:
+    """Whether a reward function of ``cfg`` has TRL's signature (:func:`rewards.functions.is_batched`), which reads
+    the completions' token ids and policy versions: only then do they travel to the reward actors. (A user
+    function is imported here as the run's preflight already did; built-ins never take them.)"""
+    from rewards.functions import is_batched, load_reward_function
+
+    return any(is_batched(load_reward_function(f.name)) for f in cfg.reward.functions
+               if ":" in f.name and f is not cfg.judge_spec)
