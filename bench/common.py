@@ -149,7 +149,8 @@ def run_fleetrl(name: str, config: str, overrides: list[str], timeout_s: float =
     """``python -m orchestrator train -c config overrides... run.dir=runs/bench/<name>``; returns
     ``{"rows": metrics.jsonl rows, "wall_s": process seconds, "run_dir": ...}``."""
     run_dir = RUNS_DIR / name
-    cmd = [PY, "-m", "orchestrator", "train", "-c", config, *overrides, f"run.dir={run_dir}"]
+    # a benchmark starts over: --overwrite replaces the last run of the same name (an earlier run is refused)
+    cmd = [PY, "-m", "orchestrator", "train", "-c", config, *overrides, f"run.dir={run_dir}", "--overwrite"]
     wall = run_logged(cmd, RUNS_DIR / f"{name}.log", timeout_s)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {"rows": rows, "wall_s": wall, "run_dir": str(run_dir), "command": " ".join(cmd[1:])}

@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
                       "steps": sum("time/step_s" in r for r in run["rows"]),
                       "outside": outside(f"{tag}-{name}", f"{run['run_dir']}/final", n_out)}
     run_dir = RUNS_DIR / f"distill_compare{tag}-offline"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a benchmark starts over (an earlier run there is refused)
     cmd = [PY, "-m", "orchestrator", "distill", "-c", CONFIG, f"distill.teacher={args.teacher}",
            f"distill.prompts={16 if args.quick else args.distill_prompts}", *common, f"run.dir={run_dir}"]
     t0 = time.perf_counter()

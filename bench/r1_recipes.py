@@ -38,6 +38,7 @@ def outside(label: str, config: str, model: str, n: int) -> dict:
 def pipeline(name: str, config: str, overrides: list[str], timeout_s: float) -> dict:
     """``fleetrl pipeline -c config overrides run.dir=runs/bench/<name>``; returns its summary rows and wall time."""
     run_dir = RUNS_DIR / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # a benchmark starts over (a pipeline rerun would resume)
     cmd = [PY, "-m", "orchestrator", "pipeline", "-c", config, *overrides, f"run.dir={run_dir}"]
     wall = run_logged(cmd, RUNS_DIR / f"{name}.log", timeout_s)
     stages = json.loads((run_dir / "summary.json").read_text())["stages"]

@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     config = Path(args.config)
     run = Path(args.run or f"runs/{config.stem}")
     if args.train:
-        subprocess.run([PY, "-m", "orchestrator", "train", "-c", str(config), f"run.dir={run}"], check=True,
+        subprocess.run([PY, "-m", "orchestrator", "train", "-c", str(config), f"run.dir={run}", "--overwrite"],
+                       check=True,
                        env={**__import__("os").environ, **SUBPROCESS_ENV})
     summary = json.loads((run / "summary.json").read_text())
     evals, steps = curve(run)
