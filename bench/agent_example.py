@@ -179,7 +179,6 @@ def main(argv: list[str] | None = None) -> None:
               "base": {"outside": outside(f"{tag}base", check, BASE, args.n),
                        **against_vllm_serve(f"{tag}base", BASE, args.n, dtype)}}
     cmd = [PY, "-m", "orchestrator", "pipeline", "-c", str(path), *common, f"run.dir={run_dir}"]
-    shutil.rmtree(run_dir, ignore_errors=True)  # a benchmark starts over (a pipeline rerun would resume)
     result["wall_s"] = round(run_logged(cmd, RUNS_DIR / f"agent_example{tag}.log", 7200), 1)
     result["command"] = " ".join(cmd[1:])
     result["stages"] = json.loads((run_dir / "summary.json").read_text())["stages"]
